@@ -1,0 +1,1 @@
+"""hf_deltamatch: FP8 attention that trains (Delta-Matching)."""
