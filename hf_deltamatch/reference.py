@@ -263,9 +263,9 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         q8, sq, k8, sk, v8, sv = saved
         operands = (q8, k8, v8, sq, sk, sv)
     else:
-        empty = q.new_empty(0)
-        q8 = k8 = v8 = empty.to(FP8_DTYPE["e4m3"])
-        sq = sk = sv = empty.float()
+        # Distinct empty tensors: a custom op's outputs may not alias each other.
+        q8, k8, v8 = (q.new_empty(0, dtype=FP8_DTYPE["e4m3"]) for _ in range(3))
+        sq, sk, sv = (q.new_empty(0, dtype=torch.float32) for _ in range(3))
         ones = lambda x: torch.ones(x.shape[:-1], dtype=torch.float32, device=x.device)  # noqa: E731
         operands = (q, k, v, ones(q), ones(k), ones(v))
     for q0, q1, k0, k1 in segments:
