@@ -6,7 +6,9 @@ as one node (no graph break) and eager mode gets the same backward.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -55,6 +57,11 @@ def resolve_backend(config: DeltaMatchConfig, device: torch.device) -> str:
                 )
         return "triton"
     return "triton" if device.type == "cuda" and _triton_usable() else "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
 
 
 def _backend_module(name: str):
@@ -246,8 +253,13 @@ def deltamatch_attention(
 
         reason = kernels.supports(q, k, v, window, config)
         if reason is not None:
-            raise ValueError(f"the Triton kernels do not support this input: {reason}. "
-                             "Use DeltaMatchConfig(backend='reference') or HF_DELTAMATCH_BACKEND=reference.")
+            if config.backend == "triton":
+                raise ValueError(f"the Triton kernels do not support this input: {reason}. "
+                                 "Use DeltaMatchConfig(backend='reference') or HF_DELTAMATCH_BACKEND=reference.")
+            # Same contract, same result, only slower: say so once rather than fail a training run.
+            _warn_once(f"deltamatch_fp8: Triton kernels do not support this input ({reason}); using the PyTorch "
+                       "reference backend (same numerics, slower).")
+            backend = "reference"
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
     out, lse, *_ = _attention_forward(
