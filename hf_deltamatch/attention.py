@@ -193,6 +193,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, *rest = inputs
     ctx.args = dict(zip(_NON_TENSOR_ARGS, rest))
     out, lse, q8, k8, v8, sq, sk, sv = output
+    # Only `out` carries a gradient; backprop through lse would otherwise be dropped silently.
+    ctx.mark_non_differentiable(lse, q8, k8, v8, sq, sk, sv)
     fp8 = ctx.args["precision"] == "fp8"
     stale = ctx.args["delta"] == "stale"
     # fp8 mode keeps only the quantized operands (half the bytes of bf16 q/k/v); O only for stale delta.

@@ -247,3 +247,17 @@ def test_quantization_tiles_and_scales():
     zeros8, zscale = reference.quantize_tokens(torch.zeros(1, 1, 64, 16), 64)
     assert (zscale == 1).all() and (zeros8.float() == 0).all()
     assert reference.to_fp8(torch.tensor([1e9, -1e9]), "e4m3").float().tolist() == [448.0, -448.0]
+
+
+def test_lse_is_returned_without_gradient():
+    q, k, v, _ = make(1, 2, 2, 64, 64, 32, 32)
+    q.requires_grad_()
+    out, lse = deltamatch_attention(q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad  # no silently dropped gradient through lse
+    torch.testing.assert_close(lse, exact_lse(q, k), atol=0.05, rtol=0)
+
+
+def exact_lse(q, k):
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    return torch.logsumexp(s.masked_fill(~keep, float("-inf")), dim=-1).float()
