@@ -1,0 +1,214 @@
+"""Triton kernels (Hopper) implementing docs/numerics.md; the same entry points as hf_deltamatch.reference.
+
+forward(...)  -> (out, lse, q8, k8, v8, q_scale, k_scale, v_scale)
+backward(...) -> (dq, dk, dv)
+supports(q, k, v, window, config) -> None, or a one-line reason the kernels cannot run this input.
+
+Saved tensors: q8/k8/v8 are plain contiguous (B, H, N, D) float8_e4m3fn tensors (row-major, same strides
+as torch.empty), scales contiguous (B, H, N) fp32. The token-major copies the FP8 matmuls want (v for the
+forward's P @ V; q, k, dO for the backward) are made on the fly and never saved.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ._fp8 import FP8_MAX, INTERPRET
+from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
+from .forward import _fwd_kernel
+from .quantize import quantize
+
+__all__ = ["backward", "forward", "supports"]
+
+DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.DS_TILE_Q)
+
+
+def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
+    """(BLOCK_M, num_warps, num_stages) of the forward, by head dim (H200 measurements, benchmarks/NOTES.md)."""
+    d = max(dqk, dv)
+    if d <= 64:
+        return 128, 4, 3
+    if d <= 128:
+        return 128, 4, 3 if fp8 else 2
+    return 64, 4, 2
+
+
+def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
+    """(dq warps, dq stages, dkdv warps, dkdv stages)."""
+    d = max(dqk, dv)
+    if d <= 64:
+        return 4, 2, 4, 2
+    if d <= 128:
+        return 4, 2, 8, 2
+    return 8, 1, 16, 1
+
+
+def supports(q, k, v, window, config) -> str | None:
+    """None if the Triton kernels run this input, else why not (one line)."""
+    if not (q.is_cuda or INTERPRET):
+        return "the Triton kernels need a CUDA device (or TRITON_INTERPRET=1)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q/k/v must all be bfloat16 or float16 (got {q.dtype}, {k.dtype}, {v.dtype})"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D (B, H, N, D)"
+    dqk, dv = q.shape[-1], v.shape[-1]
+    for name, d in (("Dqk", dqk), ("Dv", dv)):
+        if d % 16 or d < 16 or d > 256:
+            return f"head dim {name}={d} is not supported (multiples of 16 up to 256)"
+    if k.shape[-1] != dqk:
+        return f"q and k head dims differ ({dqk} vs {k.shape[-1]})"
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        return f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]}, v {v.shape[1]})"
+    if config.block not in (64, 128):
+        return f"block={config.block} is not supported (64 or 128)"
+    if window is not None and window < 1:
+        return f"window={window} must be >= 1"
+    return None
+
+
+def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
+    """(nseq, max_n, max_m) of the launch grids; dense batches are one 'sequence' per batch row."""
+    if cu_seqlens_q is None:
+        return 1, q.shape[2], k.shape[2]
+    lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item() if cu_seqlens_q.numel() > 1 else 0
+    lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item() if cu_seqlens_k.numel() > 1 else 0
+    return cu_seqlens_q.numel() - 1, int(lq), int(lk)
+
+
+def _token_major(x8):
+    """(B, H, N, D) fp8 -> the same logical tensor stored (B, H, D, N) (tokens contiguous)."""
+    u = x8.view(torch.uint8).transpose(-1, -2).contiguous().transpose(-1, -2)
+    return u.view(x8.dtype)
+
+
+def _s4(t):
+    return t.stride() if t is not None else (0, 0, 0, 0)
+
+
+def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, config):
+    B, Hq, N, dqk = q.shape
+    _, Hkv, M, dv = v.shape
+    fp8 = config.precision == "fp8"
+    T = config.block
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(dqk)
+    varlen = cu_seqlens_q is not None
+    nseq, max_n, max_m = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
+    if varlen:
+        cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
+        cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
+    qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q)
+    kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k)
+    if fp8:
+        q8, _, sq = quantize(q, **qkw)
+        k8, _, sk = quantize(k, **kvw)
+        v8, v8t, sv = quantize(v, transposed=True, **kvw)
+        qa, ka, va = q8, k8, v8t  # the forward reads V token-major (K-major B operand of P8 @ V)
+    else:
+        q8, k8, v8 = (q.new_empty(0, dtype=torch.float8_e4m3fn) for _ in range(3))
+        sq, sk, sv = (q.new_empty(0, dtype=torch.float32) for _ in range(3))
+        qa, ka, va = q, k, v
+    alloc = torch.zeros if varlen else torch.empty
+    out = alloc((B, Hq, N, dv), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device) if varlen else \
+        torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or nseq == 0:
+        if not varlen:
+            lse.fill_(float("-inf"))
+            out.zero_()
+        return out, lse, q8, k8, v8, sq, sk, sv
+    BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
+    dummy = lse
+    grid = (triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq)
+    _fwd_kernel[grid](
+        qa, ka, va, sq if fp8 else dummy, sk if fp8 else dummy, sv if fp8 else dummy, out, lse,
+        cu_seqlens_q, cu_seqlens_k,
+        *qa.stride(), *ka.stride(), *va.stride(), *out.stride(),
+        Hq, Hkv, N, M, float(softmax_scale), int(window) if window is not None else 0,
+        GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
+        BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
+        CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
+        INTERP=INTERPRET, num_warps=warps, num_stages=stages,
+    )
+    return out, lse, q8, k8, v8, sq, sk, sv
+
+
+def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, causal, softmax_scale, window,
+             cu_seqlens_q, cu_seqlens_k, config, return_row_sums: bool = False):
+    fp8 = config.precision == "fp8"
+    stale = config.delta == "stale"
+    T = config.block
+    dtype = do.dtype
+    qs, ks, vs = (q8, k8, v8) if fp8 else (q, k, v)
+    B, Hq, N, dqk = qs.shape
+    _, Hkv, M, dv = vs.shape
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(dqk)
+    varlen = cu_seqlens_q is not None
+    nseq, max_n, max_m = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
+    if varlen:
+        cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
+        cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
+    if stale and out is None:
+        raise ValueError("delta='stale' needs the forward output.")
+    lse = lse.contiguous()
+    dev = do.device
+    alloc = torch.zeros if varlen else torch.empty
+    dq = alloc((B, Hq, N, dqk), dtype=dtype, device=dev)
+    dk = torch.zeros((B, Hkv, M, dqk), dtype=dtype, device=dev) if varlen or N == 0 else \
+        torch.empty((B, Hkv, M, dqk), dtype=dtype, device=dev)
+    dv_ = torch.zeros((B, Hkv, M, dv), dtype=dtype, device=dev) if varlen or N == 0 else \
+        torch.empty((B, Hkv, M, dv), dtype=dtype, device=dev)
+    delta = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev)
+    rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
+    ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
+
+    def _ret():
+        grads = (dq, dk, dv_)
+        return (*grads, rs, ra) if return_row_sums else grads
+
+    if B * Hq == 0 or nseq == 0 or (N == 0 and M == 0):
+        return _ret()
+    if fp8:
+        do8, do8t, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
+                                  transposed=True)
+        q8t, k8t = _token_major(q8), _token_major(k8)
+        sq, sk, sv = q_scale, k_scale, v_scale
+        doa = do8
+    else:
+        do8t = q8t = k8t = None
+        doa = do
+        sq = sk = sv = sdo = delta  # unused
+    dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8)
+    common = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
+                  CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
+                  FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
+                  POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
+    win = int(window) if window is not None else 0
+    if N > 0 and max_n > 0:
+        o_arg = out if stale else do
+        grid = (triton.cdiv(max_n, DS_TILE_Q), B * Hq, nseq)
+        _bwd_dq_kernel[grid](
+            qs, ks, k8t if fp8 else ks, vs, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, rs, ra,
+            cu_seqlens_q, cu_seqlens_k,
+            *qs.stride(), *ks.stride(), *_s4(k8t if fp8 else ks), *vs.stride(), *doa.stride(), *do.stride(),
+            *o_arg.stride(), *dq.stride(),
+            Hq, Hkv, N, M, float(softmax_scale), win,
+            GROUPS=Hq // Hkv, DV=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums,
+            num_warps=dq_w, num_stages=dq_s, **common,
+        )
+    if M > 0 and max_m > 0:
+        grid = (triton.cdiv(max_m, T), B * Hkv, nseq)
+        _bwd_dkdv_kernel[grid](
+            qs, q8t if fp8 else qs, ks, vs, doa, do8t if fp8 else doa, sq, sk, sv, sdo, lse, delta, dk, dv_,
+            cu_seqlens_q, cu_seqlens_k,
+            *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(), *vs.stride(), *doa.stride(),
+            *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
+            Hq, Hkv, N, M, float(softmax_scale), win,
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T,
+            num_warps=kv_w, num_stages=kv_s, **common,
+        )
+    return _ret()

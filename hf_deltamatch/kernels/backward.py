@@ -1,0 +1,353 @@
+"""Backward: the correction pass + dQ (query-major) and dK/dV (key-major), no atomics.
+
+Kernel 1, `_bwd_dq_kernel`, one program per 64-row query tile (= the dS tile height, DS_TILE_Q):
+  pass 1 (delta="matching", the correction pass): over the visible key tiles recompute S from q8/k8,
+          P = exp(S - LSE) in fp32, dP = (dO8 @ v8^T) * sdo * sv in fp32, delta += rowsum(P * dP).
+          (delta="stale": delta = rowsum(dO * O) from the high-precision dO and out instead.)
+  pass 2: the same S, P, dP again; dS = P * (dP - delta) in fp32, quantized per 64 x block tile with a
+          dynamic scale; dQ += (dS8 @ k8) * sds * sk. Writes dQ and delta (for kernel 2).
+Kernel 2, `_bwd_dkdv_kernel`, one program per key tile per KV head, looping over the GQA group's query
+  heads and the query tiles that see it (so dK/dV sum over the group without atomics):
+  S^T, P^T, dP^T, dS^T as above (same tile, same dynamic scale), dV += (P8^T @ dO8) * sdo / 256,
+  dK += (dS8^T @ q8) * sds * sq.
+Everything is deterministic (dQ is written once by its owner), so config.deterministic costs nothing.
+FP8 operands contracted over tokens (dO and q in kernel 2, k in kernel 1) are read from (D, N) copies
+(tokens contiguous) so every FP8 matmul gets K-major operands.
+"""
+
+import triton
+import triton.language as tl
+
+from ._fp8 import cast_to, tile_scale, to_fp8
+from .forward import _key_ranges, _load_2d, _visible
+
+
+@triton.jit
+def _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
+              start_m, lo, hi, n, m, window,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+              DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
+              FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
+                     MASK, BLOCK_DQK != DQK)
+        v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
+                     MASK, BLOCK_DV != DV)
+        if INTERP and not FP8:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k))
+        dp = tl.dot(do, tl.trans(v))
+        if FP8:
+            s = qk * (row_f * tl.load(SK + start_n))
+            dp = dp * (dp_f * tl.load(SV + start_n))
+        else:
+            s = qk * row_f
+        if MASK:
+            s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
+        if PASS1:
+            delta += tl.sum(p * dp, 1)
+        else:
+            ds = p * (dp - delta[:, None])
+            if ROW_SUMS:
+                rs += tl.sum(ds, 1)
+                ra += tl.sum(tl.abs(ds), 1)
+            if FP8:
+                sds = tile_scale(tl.max(tl.max(tl.abs(ds), 1), 0), FMAX, POW2)
+                ds8 = to_fp8(ds / sds, E5M2, INTERP)
+                kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
+                              MASK, BLOCK_DQK != DQK)
+                dq += tl.dot(ds8, kt) * (sds * tl.load(SK + start_n))
+            elif INTERP:
+                dq += tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(tl.float32), k)
+            else:
+                dq += tl.dot(ds.to(K.dtype.element_ty), k)
+    return dq, delta, rs, ra
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, KT, V, DO, SQ, SK, SV, SDO, LSE, DOHP, O, DQ, DELTA, RS, RA, CUQ, CUK,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, ktb, kth, ktn, ktd, svb, svh, svn, svd,
+    sdob, sdoh, sdon, sdod, shb, shh, shn, shd, sob, soh, son, sod, sdqb, sdqh, sdqn, sdqd,
+    Hq, Hkv, N, M, softmax_scale, window,
+    GROUPS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
+    STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // GROUPS
+    if VARLEN:
+        q0 = tl.load(CUQ + pid_s)
+        n = tl.load(CUQ + pid_s + 1) - q0
+        k0 = tl.load(CUK + pid_s)
+        m = tl.load(CUK + pid_s + 1) - k0
+    else:
+        q0 = 0
+        n = N
+        k0 = 0
+        m = M
+    start_m = pid_m * BLOCK_M
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    q064 = q0.to(tl.int64)
+    Kb = K + b64 * skb + hk64 * skh + k0.to(tl.int64) * skn
+    KTb = KT + b64 * ktb + hk64 * kth + k0.to(tl.int64) * ktn
+    Vb = V + b64 * svb + hk64 * svh + k0.to(tl.int64) * svn
+    SKb = SK + (b64 * Hkv + hk) * M + k0
+    SVb = SV + (b64 * Hkv + hk) * M + k0
+    row0 = pid_bh.to(tl.int64) * N + q0  # offset of this sequence in the (B, H, N) fp32 row arrays
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rmask = offs_m < n
+    q = _load_2d(Q + b64 * sqb + h64 * sqh + q064 * sqn + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd,
+                 offs_m, offs_dqk, n, DQK, True, BLOCK_DQK != DQK)
+    do = _load_2d(DO + b64 * sdob + h64 * sdoh + q064 * sdon + offs_m[:, None] * sdon + offs_dv[None, :] * sdod,
+                  offs_m, offs_dv, n, DV, True, BLOCK_DV != DV)
+    if INTERP and not FP8:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    # -inf LSE (no visible key) or a row past the end: +inf makes P = exp2(S - inf) = 0 without NaN
+    lse = tl.load(LSE + row0 + offs_m, mask=rmask, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    row_f = softmax_scale * 1.4426950408889634
+    dp_f = 1.0
+    if FP8:
+        # a 64-row tile lies inside one quantization tile (block is 64 or 128): scalar scales
+        sq_t = tl.load(SQ + row0 + start_m, mask=start_m < n, other=1.0)
+        row_f = row_f * sq_t
+        dp_f = tl.load(SDO + row0 + start_m, mask=start_m < n, other=1.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
+    delta = tl.zeros([BLOCK_M], tl.float32)
+    rs = tl.zeros([BLOCK_M], tl.float32)
+    ra = tl.zeros([BLOCK_M], tl.float32)
+    lo, mid_lo, mid_hi, hi = _key_ranges(start_m, BLOCK_M, BLOCK_N, n, m, window, CAUSAL, HAS_WINDOW)
+    if STALE:
+        dohp = _load_2d(DOHP + b64 * shb + h64 * shh + q064 * shn + offs_m[:, None] * shn + offs_dv[None, :] * shd,
+                        offs_m, offs_dv, n, DV, True, BLOCK_DV != DV).to(tl.float32)
+        o = _load_2d(O + b64 * sob + h64 * soh + q064 * son + offs_m[:, None] * son + offs_dv[None, :] * sod,
+                     offs_m, offs_dv, n, DV, True, BLOCK_DV != DV).to(tl.float32)
+        delta = tl.sum(dohp * o, 1)
+    else:  # the correction pass
+        if HAS_WINDOW:
+            dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+                                          skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
+                                          BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
+                                          HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+        dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+                                      skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
+                                      BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
+                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+        dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+                                      skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
+                                      BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
+                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+    if HAS_WINDOW:
+        dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+                                      skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
+                                      BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
+                                      HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+    dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+                                  skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
+                                  BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
+                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+    dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+                                  skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
+                                  BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
+                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+    dq = dq * softmax_scale
+    tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
+             cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
+    tl.store(DELTA + row0 + offs_m, delta, mask=rmask)
+    if ROW_SUMS:
+        tl.store(RS + row0 + offs_m, rs, mask=rmask)
+        tl.store(RA + row0 + offs_m, ra, mask=rmask)
+
+
+@triton.jit
+def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, window,
+                  CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Query-tile bounds (multiples of BLOCK_M) that see keys [start_n, start_n + BLOCK_N)."""
+    lo = 0
+    hi = n
+    full_lo = 0
+    full_hi = (n // BLOCK_M) * BLOCK_M  # a row tail needs row masks on the loads
+    if CAUSAL:
+        lo = tl.maximum(0, start_n + n - m)  # first row that sees key start_n
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(0, start_n + BLOCK_N - 1 + n - m), BLOCK_M) * BLOCK_M
+        if HAS_WINDOW:
+            hi = tl.minimum(n, tl.maximum(0, start_n + BLOCK_N - 1 + n - m + window))
+            full_hi = tl.minimum(full_hi, (tl.maximum(0, start_n + n - m + window) // BLOCK_M) * BLOCK_M)
+    hi = tl.cdiv(hi, BLOCK_M) * BLOCK_M
+    if start_n + BLOCK_N > m:  # key tail (or a tile past the end): mask everything
+        full_hi = 0
+    lo = tl.minimum(lo, hi)
+    mid_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
+                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd,
+                start_n, lo, hi, n, m, window,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
+                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
+                     MASK, BLOCK_DQK != DQK)
+        do = _load_2d(DO + offs_m[:, None] * sdon + offs_dv[None, :] * sdod, offs_m, offs_dv, n, DV,
+                      MASK, BLOCK_DV != DV)
+        if INTERP and not FP8:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        if MASK:
+            lse = tl.load(LSE + offs_m, mask=offs_m < n, other=float("inf"))
+            delta = tl.load(DELTA + offs_m, mask=offs_m < n, other=0.0)
+        else:
+            lse = tl.load(LSE + offs_m)
+            delta = tl.load(DELTA + offs_m)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        st = tl.dot(k, tl.trans(q))  # S^T (keys x queries)
+        dpt = tl.dot(v, tl.trans(do))
+        if FP8:
+            sq_t = tl.load(SQ + start_m)  # one quantization tile holds the whole 64-row query tile
+            sdo_t = tl.load(SDO + start_m)
+            st = st * (col_f * sq_t)
+            dpt = dpt * (dp_f * sdo_t)
+        else:
+            st = st * col_f
+        if MASK:  # _visible, transposed: (keys, queries)
+            vis = offs_n[:, None] < m
+            if CAUSAL:
+                pos = offs_m[None, :] + (m - n)
+                vis = vis & (offs_n[:, None] <= pos)
+                if HAS_WINDOW:
+                    vis = vis & (offs_n[:, None] > pos - window)
+            st = tl.where(vis, st, float("-inf"))
+        pt = tl.exp2(st - lse2[None, :])
+        dst = pt * (dpt - delta[None, :])
+        if FP8:
+            qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
+                          MASK, BLOCK_DQK != DQK)
+            dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
+                            MASK, BLOCK_DV != DV)
+            dv += tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_) * (sdo_t / 256.0)
+            sds = tile_scale(tl.max(tl.max(tl.abs(dst), 1), 0), FMAX, POW2)
+            dk += tl.dot(to_fp8(dst / sds, E5M2, INTERP), qt) * (sds * sq_t)
+        elif INTERP:
+            dv += tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(tl.float32), do)
+            dk += tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(tl.float32), q)
+        else:
+            dv += tl.dot(pt.to(Q.dtype.element_ty), do)
+            dk += tl.dot(dst.to(Q.dtype.element_ty), q)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, QT, K, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DK, DV, CUQ, CUK,
+    sqb, sqh, sqn, sqd, qtb, qth, qtn, qtd, skb, skh, skn, skd, svb, svh, svn, svd,
+    sdob, sdoh, sdon, sdod, dtb, dth, dtn, dtd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+    Hq, Hkv, N, M, softmax_scale, window,
+    GROUPS: tl.constexpr, DQK: tl.constexpr, DV_: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
+    FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # over B * Hkv
+    pid_s = tl.program_id(2)
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    if VARLEN:
+        q0 = tl.load(CUQ + pid_s)
+        n = tl.load(CUQ + pid_s + 1) - q0
+        k0 = tl.load(CUK + pid_s)
+        m = tl.load(CUK + pid_s + 1) - k0
+    else:
+        q0 = 0
+        n = N
+        k0 = 0
+        m = M
+    start_n = pid_n * BLOCK_N
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    k064 = k0.to(tl.int64)
+    q064 = q0.to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_2d(K + b64 * skb + hk64 * skh + k064 * skn + offs_n[:, None] * skn + offs_dqk[None, :] * skd,
+                 offs_n, offs_dqk, m, DQK, True, BLOCK_DQK != DQK)
+    v = _load_2d(V + b64 * svb + hk64 * svh + k064 * svn + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                 offs_n, offs_dv, m, DV_, True, BLOCK_DV != DV_)
+    if INTERP and not FP8:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    col_f = softmax_scale * 1.4426950408889634
+    dp_f = 1.0
+    if FP8:
+        kv_row = (b64 * Hkv + hk) * M + k0 + start_n
+        col_f = col_f * tl.load(SK + kv_row, mask=start_n < m, other=1.0)
+        dp_f = tl.load(SV + kv_row, mask=start_n < m, other=1.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, mid_lo, mid_hi, hi = _query_ranges(start_n, BLOCK_M, BLOCK_N, n, m, window, CAUSAL, HAS_WINDOW)
+    if start_n >= m:
+        hi = 0
+        lo = 0
+        mid_lo = 0
+        mid_hi = 0
+    for g in range(GROUPS):  # GQA: this KV head's query heads, summed here (no atomics)
+        h64 = hk64 * GROUPS + g
+        bh = b64 * Hq + h64
+        Qg = Q + b64 * sqb + h64 * sqh + q064 * sqn
+        QTg = QT + b64 * qtb + h64 * qth + q064 * qtn
+        DOg = DO + b64 * sdob + h64 * sdoh + q064 * sdon
+        DOTg = DOT + b64 * dtb + h64 * dth + q064 * dtn
+        SQg = SQ + bh * N + q0
+        SDOg = SDO + bh * N + q0
+        LSEg = LSE + bh * N + q0
+        DELTAg = DELTA + bh * N + q0
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+                             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
+                             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8,
+                             FMAX, E5M2, POW2, INTERP)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+                             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
+                             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8,
+                             FMAX, E5M2, POW2, INTERP)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+                             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
+                             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8,
+                             FMAX, E5M2, POW2, INTERP)
+    dk = dk * softmax_scale
+    nmask = offs_n < m
+    tl.store(DK + b64 * sdkb + hk64 * sdkh + k064 * sdkn + offs_n[:, None] * sdkn + offs_dqk[None, :] * sdkd,
+             cast_to(dk, DK.dtype.element_ty, INTERP), mask=nmask[:, None] & (offs_dqk[None, :] < DQK))
+    tl.store(DV + b64 * sdvb + hk64 * sdvh + k064 * sdvn + offs_n[:, None] * sdvn + offs_dv[None, :] * sdvd,
+             cast_to(dv, DV.dtype.element_ty, INTERP), mask=nmask[:, None] & (offs_dv[None, :] < DV_))

@@ -1,0 +1,185 @@
+"""FP8 (or bf16/fp16) attention forward: QK^T and PV on the tensor cores, online softmax in fp32.
+
+One program per (query block, batch*head, sequence). Keys are visited in `block`-sized tiles in order
+(docs/numerics.md: the running max at each key tile decides how P is rounded), in three ranges:
+  [lo, mid_lo)      masked   (tiles cut by the sliding window's left edge)
+  [mid_lo, mid_hi)  unmasked (every row of the block sees every key: no mask arithmetic)
+  [mid_hi, hi)      masked   (the causal diagonal and the key tail)
+Tiles every row cannot see are skipped (exact, per the contract). Softmax runs in the log2 domain
+(exp2, with log2(e) folded into the per-row score factor); LSE is stored in natural log.
+
+fp8: S = (q8 @ k8^T) * sq * sk * softmax_scale; P8 = e4m3(P * 256); O += (P8 @ v8) * sv / 256 with v8
+read from a (D, M) buffer (tokens contiguous) so the FP8 P @ V has a K-major B operand.
+"""
+
+import triton
+import triton.language as tl
+
+from ._fp8 import cast_to, to_fp8
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _load_2d(ptrs, rows, cols, R_LIM, C_LIM, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+    if MASK_R and MASK_C:
+        return tl.load(ptrs, mask=(rows[:, None] < R_LIM) & (cols[None, :] < C_LIM), other=0.0)
+    elif MASK_R:
+        return tl.load(ptrs, mask=rows[:, None] < R_LIM, other=0.0)
+    elif MASK_C:
+        return tl.load(ptrs, mask=cols[None, :] < C_LIM, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _visible(rows, cols, n, m, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(rows, cols) mask in sequence-local coordinates: key tail, bottom-right causal, sliding window."""
+    vis = cols[None, :] < m
+    if CAUSAL:
+        pos = rows[:, None] + (m - n)
+        vis = vis & (cols[None, :] <= pos)
+        if HAS_WINDOW:
+            vis = vis & (cols[None, :] > pos - window)
+    return vis
+
+
+@triton.jit
+def _key_ranges(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, window,
+                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Key-tile bounds (multiples of BLOCK_N) for query rows [start_m, start_m + BLOCK_M): lo, mid_lo, mid_hi, hi."""
+    full_hi = m
+    hi = m
+    lo = 0
+    mid_lo = 0
+    if CAUSAL:
+        # last visible key of the block's last row, +1; first key that its first row cannot see
+        hi = tl.minimum(m, tl.maximum(0, start_m + BLOCK_M + m - n))
+        full_hi = tl.minimum(m, tl.maximum(0, start_m + m - n + 1))
+        if HAS_WINDOW:
+            lo = tl.maximum(0, start_m + m - n - window + 1)
+            lo = (lo // BLOCK_N) * BLOCK_N
+            mid_lo = tl.maximum(0, start_m + BLOCK_M + m - n - window)
+            mid_lo = tl.cdiv(mid_lo, BLOCK_N) * BLOCK_N
+    hi = tl.cdiv(hi, BLOCK_N) * BLOCK_N
+    if start_m >= n:  # a block past this sequence's end (varlen grids are sized for the longest)
+        hi = 0
+    lo = tl.minimum(lo, hi)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = (full_hi // BLOCK_N) * BLOCK_N
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
+               start_m, lo, hi, n, m, window,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
+                     MASK, BLOCK_DQK != DQK)
+        v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
+                     MASK, BLOCK_DV != DV)
+        if INTERP and not FP8:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k))
+        if FP8:
+            s = qk * (row_f * tl.load(SK + start_n))[:, None]  # sk: one scale per key tile
+        else:
+            s = qk * row_f[:, None]
+        if MASK:
+            s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: P = 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8:
+            pv = tl.dot(to_fp8(p * 256.0, False, INTERP), v) * (tl.load(SV + start_n) / 256.0)
+        elif INTERP:
+            pv = tl.dot(cast_to(p, V.dtype.element_ty, INTERP).to(tl.float32), v)
+        else:
+            pv = tl.dot(p.to(V.dtype.element_ty), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, SQ, SK, SV, O, LSE, CUQ, CUK,
+    sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
+    Hq, Hkv, N, M, softmax_scale, window,
+    GROUPS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    # heaviest (last, under causal) query blocks first: better tail balance
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    hk = h // GROUPS
+    if VARLEN:
+        q0 = tl.load(CUQ + pid_s)
+        n = tl.load(CUQ + pid_s + 1) - q0
+        k0 = tl.load(CUK + pid_s)
+        m = tl.load(CUK + pid_s + 1) - k0
+    else:
+        q0 = 0
+        n = N
+        k0 = 0
+        m = M
+    start_m = pid_m * BLOCK_M
+    b64 = b.to(tl.int64)
+    Qb = Q + b64 * sqb + h.to(tl.int64) * sqh + q0.to(tl.int64) * sqn
+    Kb = K + b64 * skb + hk.to(tl.int64) * skh + k0.to(tl.int64) * skn
+    Vb = V + b64 * svb + hk.to(tl.int64) * svh + k0.to(tl.int64) * svn
+    SKb = SK + (b64 * Hkv + hk) * M + k0
+    SVb = SV + (b64 * Hkv + hk) * M + k0
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_2d(Qb + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
+                 True, BLOCK_DQK != DQK)
+    if INTERP and not FP8:
+        q = q.to(tl.float32)
+    row_f = tl.zeros([BLOCK_M], tl.float32) + softmax_scale * 1.4426950408889634
+    if FP8:
+        sq = tl.load(SQ + pid_bh.to(tl.int64) * N + q0 + offs_m, mask=offs_m < n, other=1.0)
+        row_f = sq * row_f
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, mid_lo, mid_hi, hi = _key_ranges(start_m, BLOCK_M, BLOCK_N, n, m, window, CAUSAL, HAS_WINDOW)
+    if HAS_WINDOW:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
+                                   start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+                                   DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
+                               start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+                               DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
+                               start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+                               DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP)
+
+    has = l_i > 0.0
+    l_safe = tl.where(has, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    Ob = O + b64 * sob + h.to(tl.int64) * soh + q0.to(tl.int64) * son
+    tl.store(Ob + offs_m[:, None] * son + offs_dv[None, :] * sod, cast_to(out, O.dtype.element_ty, INTERP),
+             mask=(offs_m[:, None] < n) & (offs_dv[None, :] < DV))
+    tl.store(LSE + pid_bh.to(tl.int64) * N + q0 + offs_m, lse, mask=offs_m < n)

@@ -1,0 +1,89 @@
+"""Per-tile FP8 quantization: one pass over the input, writing the layouts the matmuls want.
+
+A tile is BLOCK_T consecutive tokens of one (batch, head) x the whole head dim, counted from the start of
+its sequence (varlen: from cu_seqlens[s]). One program per tile: load it, amax, scale, cast, and write
+  - y  (B, H, N, D) fp8, the row-major copy (D contiguous), and/or
+  - yt a (B, H, N, D) view of (B, H, D, N) storage (tokens contiguous): the K-major operand of the FP8
+    matmuls that contract over tokens (P @ V in the forward, P^T @ dO in the backward),
+  - the per-token fp32 scale (B, H, N): every token carries its tile's scale.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._fp8 import FP8_MAX, INTERPRET, tile_scale, to_fp8
+
+FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@triton.jit
+def _quantize_kernel(
+    X, Y, YT, S, CU,
+    sxb, sxh, sxn, sxd,
+    syb, syh, syn, syd,
+    stb, sth, stn, std,
+    H, N,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
+    WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr, VARLEN: tl.constexpr, INTERP: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    if VARLEN:
+        start = tl.load(CU + pid_s)
+        end = tl.load(CU + pid_s + 1)
+    else:
+        start = 0
+        end = N
+    rows = start + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < end) & (cols[None, :] < D)
+    x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
+                mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = tile_scale(amax, FMAX, POW2)
+    y = to_fp8(x / scale, E5M2, INTERP)
+    if WRITE_Y:
+        tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + rows[:, None] * syn + cols[None, :] * syd,
+                 y, mask=mask)
+    if WRITE_YT:
+        tl.store(YT + b.to(tl.int64) * stb + h.to(tl.int64) * sth + rows[:, None] * stn + cols[None, :] * std,
+                 y, mask=mask)
+    tl.store(S + pid_bh.to(tl.int64) * N + rows, tl.zeros([BLOCK_T], tl.float32) + scale, mask=rows < end)
+
+
+def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=None, row_major=True,
+             transposed=False):
+    """Quantize x (B, H, N, D) per `block`-token tile. Returns (y or None, yt or None, scale (B, H, N)).
+
+    yt is a (B, H, N, D) view of a (B, H, D, N) buffer (tokens contiguous).
+    """
+    B, H, N, D = x.shape
+    dt = FP8_TORCH[fmt]
+    y = torch.empty((B, H, N, D), dtype=dt, device=x.device) if row_major else None
+    yt = torch.empty((B, H, D, N), dtype=dt, device=x.device).transpose(-1, -2) if transposed else None
+    scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
+    if cu_seqlens is not None:
+        nseq = cu_seqlens.numel() - 1
+        if N > 0 and int(cu_seqlens[-1]) < N:  # tokens outside every sequence keep a defined scale
+            scale.fill_(1.0)
+    else:
+        nseq, max_len = 1, N
+    if N == 0 or B * H == 0 or nseq == 0:
+        return y, yt, scale
+    ys = y.stride() if y is not None else (0, 0, 0, 0)
+    ts = yt.stride() if yt is not None else (0, 0, 0, 0)
+    grid = (triton.cdiv(max(max_len, 1), block), B * H, nseq)
+    _quantize_kernel[grid](
+        x, y if y is not None else yt, yt if yt is not None else y, scale, cu_seqlens,
+        *x.stride(), *ys, *ts, H, N,
+        D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D),
+        FMAX=FP8_MAX[fmt], E5M2=fmt == "e5m2", POW2=rounding == "pow2",
+        WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=cu_seqlens is not None, INTERP=INTERPRET,
+        num_warps=8 if D > 128 else 4,
+    )
+    return y, yt, scale
