@@ -2,8 +2,11 @@
 
 Registers an attention function and, under the same name, a mask function: transformers builds the mask
 through the function registered for the model's attention implementation, and without one it would drop
-padding masks silently. The mask function is transformers' own flash-attention one (a 2D padding mask, or
-None when nothing is padded), because the op, like flash-attention, takes padding as varlen sequences.
+padding masks silently. The mask function is transformers' flash-attention one (a 2D padding mask, or
+None when nothing is padded), because the op, like flash-attention, takes padding as varlen sequences; plus
+one case transformers only handles for names containing "flash": with a static cache, `generate()` drops an
+all-ones mask, and the key/value tensors are the whole preallocated cache. Our mask function then returns a
+mask as long as the filled part, and the attention function reads only those keys (as `_upad_input` does).
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ def deltamatch_attention_forward(
             f"deltamatch_fp8 takes a 2D padding mask (from its registered mask function), got a "
             f"{attention_mask.dim()}D mask. Custom 4D masks are not supported: use attn_implementation='sdpa'."
         )
+    if attention_mask is not None and attention_mask.shape[1] < kv_len:
+        # Static cache: only the first mask-length slots hold keys, the rest are empty preallocated slots.
+        kv_len = attention_mask.shape[1]
+        key, value = key[:, :, :kv_len], value[:, :, :kv_len]
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None:  # packed batch from DataCollatorWithFlattening & co.
@@ -133,10 +140,26 @@ def deltamatch_attention_forward(
     return out.transpose(1, 2).to(in_dtype), None
 
 
+def deltamatch_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
+                    attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """transformers mask function: flash-attention's 2D padding mask (None without padding), and for causal
+    masks over a static cache, whose key tensors are longer than what has been written, an all-True mask of
+    the written length (the keys past the last query are empty, and causally invisible anyway)."""
+    from transformers.masking_utils import flash_attention_mask
+
+    mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
+                                **kwargs)
+    if mask is None and "allow_is_bidirectional_skip" not in kwargs:  # only bidirectional masks pass this kwarg
+        written = int(q_offset) + q_length - int(kv_offset)
+        if written < kv_length:
+            mask = torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
+    return mask
+
+
 def register() -> None:
     """Register the attention and mask functions under `deltamatch_fp8` (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, deltamatch_attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, deltamatch_mask)
