@@ -75,15 +75,21 @@ def write_essay(path: Path, n_words: int = 3000) -> Path:
     return path
 
 
-def write_squad(path: Path, n_articles: int = 6, paras: int = 3) -> Path:
-    """SQuAD v2 dev-format JSON: answerable and impossible questions; one question with two answers."""
+def write_squad(path: Path, n_articles: int = 30, paras: int = 4) -> Path:
+    """SQuAD v2 dev-format JSON: answerable and impossible questions, each answerable one with two
+    references. ~6K tokens of paragraphs, enough to fill a 4K budget with distractors."""
+    import wonderwords
+
+    nouns = sorted(wonderwords.RandomWord()._categories["nouns"])
     rng = random.Random(2)
     data = []
     for a in range(n_articles):
         ps = []
         for p in range(paras):
             city = f"Town{a}x{p}"
-            ctx = f"The river of {city} is long. People in {city} grow {rng.choice(['rice', 'wheat', 'corn'])}."
+            filler = " ".join(rng.sample(nouns, 25))
+            ctx = f"The river of {city} is long. People in {city} grow {rng.choice(['rice', 'wheat', 'corn'])}. " \
+                  f"Locals list {filler}."
             qas = [{"question": f"Which town is paragraph {a}-{p} about?", "id": f"{a}-{p}",
                     "answers": [{"text": city, "answer_start": ctx.index(city)},
                                 {"text": f"the town {city}", "answer_start": 0}],
@@ -96,15 +102,16 @@ def write_squad(path: Path, n_articles: int = 6, paras: int = 3) -> Path:
     return path
 
 
-def write_hotpotqa(path: Path, n: int = 20) -> Path:
+def write_hotpotqa(path: Path, n: int = 60) -> Path:
     """HotpotQA dev-distractor-format JSON (list of questions, each with [title, sentences] context)."""
     rng = random.Random(3)
     rows = []
     for i in range(n):
-        ctx = [[f"Title {i}-{j}", [f"Sentence about item {i}-{j}. ", f"It weighs {rng.randint(1, 99)} kg."]]
+        weights = [rng.randint(100, 999) for _ in range(4)]
+        ctx = [[f"Title {i}-{j}", [f"Sentence about item {i}-{j}. ", f"It weighs {weights[j]} kg."]]
                for j in range(4)]
-        rows.append({"_id": str(i), "question": f"How heavy is item {i}-0?", "answer": f"item {i}-0 answer",
-                     "type": "bridge", "level": "easy", "supporting_facts": [[f"Title {i}-0", 0]], "context": ctx})
+        rows.append({"_id": str(i), "question": f"How heavy is item {i}-0?", "answer": f"{weights[0]} kg",
+                     "type": "bridge", "level": "easy", "supporting_facts": [[f"Title {i}-0", 1]], "context": ctx})
     path.write_text(json.dumps(rows))
     return path
 
