@@ -408,6 +408,16 @@ def measure_op(name, shape: Shape, q, k, v, do, ref, args, log) -> dict:
     return res
 
 
+def _cuda_alive() -> bool:
+    """False after a sticky CUDA error (e.g. an illegal address in a kernel): every later call would fail."""
+    try:
+        torch.ones(1, device="cuda").add_(1).item()
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def run_shape(shape: Shape, ops, args, device, log) -> dict:
     flops = attention_flops(shape)
     entry = {"shape": dataclasses.asdict(shape), "label": shape.label, "flops": flops, "ops": {}}
@@ -433,9 +443,17 @@ def run_shape(shape: Shape, ops, args, device, log) -> dict:
             log(f"    reference FAILED: {_one_line(exc, 300)}")
         log(f"    reference: {entry.get('reference')} ({time.perf_counter() - t0:.1f} s)")
 
-    for name in ops:
+    # Baselines first: if one of our kernels breaks the CUDA context, the shape still has its baselines.
+    for name in sorted(ops, key=lambda o: o in DM_OPS):
         t0 = time.perf_counter()
+        if args.cuda_broken:
+            entry["ops"][name] = {"op": name, "status": "error", "stage": "not run",
+                                  "error": f"CUDA context broken earlier ({args.cuda_broken})"}
+            continue
         res = measure_op(name, shape, q, k, v, do, ref, args, log)
+        if res["status"] == "error" and device.type == "cuda" and not _cuda_alive():
+            args.cuda_broken = f"after {shape.name} {name}: {res['error'][:200]}"
+            log(f"    CUDA context is broken (sticky error): nothing after {shape.name} {name} can run")
         for key in ("fwd", "bwd", "fwdbwd"):
             if res.get(f"{key}_ms"):
                 res[f"{key}_tflops"] = flops[key] / (res[f"{key}_ms"] * 1e-3) / 1e12
@@ -448,6 +466,7 @@ def run_shape(shape: Shape, ops, args, device, log) -> dict:
         elif res["status"] == "skipped":
             log(f"    {name:16s} skipped: {res['error']}")
 
+    entry["ops"] = {name: entry["ops"][name] for name in ops}  # back to the requested order
     base_name = args.ratio_base
     base = entry["ops"].get(base_name)
     entry["ratio_base"] = base_name
@@ -570,8 +589,8 @@ def header_md(report) -> list[str]:
     env, meta = report["environment"], report["meta"]
     lines = [f"# Attention benchmark: hf_deltamatch vs PyTorch BF16 kernels ({meta['date']})", ""]
     if meta["dry_run"]:
-        lines += ["**DRY RUN** on the CPU: reference backend, tiny shapes, wall-clock timings of that path. "
-                  "It exercises the script; no number here is a performance claim.", ""]
+        lines += [f"**DRY RUN** on the CPU: our op through backend={meta['backend']}, tiny shapes, wall-clock "
+                  "timings of one call. It exercises the script; no number here is a performance claim.", ""]
     gpu = env.get("gpu")
     if env.get("sm_count"):
         gpu += f" ({env['sm_count']} SMs, sm_{env['capability'].replace('.', '')}, {env['gpu_memory_gib']} GiB)"
@@ -650,8 +669,11 @@ def detail_md(report) -> list[str]:
             res = s["ops"].get(o)
             if res is None:
                 continue
+            if res.get("status") == "skipped":
+                lines.append(f"| {s['name']} | {o} | skipped: {res.get('error', '')[:80]} | | | | | | |")
+                continue
             if res.get("status") != "ok":
-                lines.append(f"| {s['name']} | {o} | {_status_cell(res)} (see below) | | | | | | |")
+                lines.append(f"| {s['name']} | {o} | failed at {res.get('stage')} (see Failures) | | | | | | |")
                 continue
             sp = res.get("speedup_vs_base")
             sp_txt = "/".join(f"{sp[key]:.2f}" for key in ("fwd", "bwd", "fwdbwd")) if sp else "—"
@@ -708,8 +730,9 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test: tiny shapes, reference backend, CUDA-only baselines skipped, no timing claims")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output directory")
-    p.add_argument("--backend", default="triton", choices=["triton", "auto", "reference"],
-                   help="DeltaMatchConfig.backend for our op (--dry-run forces reference)")
+    p.add_argument("--backend", choices=["triton", "auto", "reference"],
+                   help="DeltaMatchConfig.backend for our op (default: triton; reference with --dry-run, where "
+                        "triton needs TRITON_INTERPRET=1)")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
     p.add_argument("--min-reps", type=int, default=5,
@@ -735,7 +758,7 @@ def main(argv=None) -> int:
 
     if args.dry_run:
         device = torch.device("cpu")
-        args.backend = "reference"
+        args.backend = args.backend or "reference"
         shapes = [parse_shape(t) for t in args.shapes.split(",")] if args.shapes else DRY_RUN_SHAPES
     else:
         if not torch.cuda.is_available():
@@ -743,6 +766,7 @@ def main(argv=None) -> int:
                   "`python benchmarks/attention.py --dry-run` (smoke test only).", file=sys.stderr)
             return 2
         device = torch.device("cuda")
+        args.backend = args.backend or "triton"
         tokens = QUICK if args.quick else (args.shapes.split(",") if args.shapes else list(PRESETS))
         shapes = [parse_shape(t.strip()) for t in tokens if t.strip()]
     ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(ALL_OPS)
@@ -753,6 +777,7 @@ def main(argv=None) -> int:
     if args.dry_run and DRY_RUN_BASE not in ops:
         ops.append(DRY_RUN_BASE)
     args.ratio_base = DRY_RUN_BASE if args.dry_run else "sdpa-cudnn"
+    args.cuda_broken = None  # set once a sticky CUDA error makes every later measurement meaningless
 
     now = datetime.datetime.now(datetime.timezone.utc)
     env = environment(device)
@@ -765,6 +790,7 @@ def main(argv=None) -> int:
             "date": now.strftime("%Y-%m-%d %H:%M UTC"),
             "dry_run": args.dry_run,
             "ratio_base": args.ratio_base,
+            "backend": args.backend,
             "argv": sys.argv[1:] if argv is None else list(argv),
             "ops": ops,
             "ops_doc": "dm-* = hf_deltamatch.deltamatch_attention (backend=%s): fp8-matching, fp8-stale "
@@ -793,8 +819,12 @@ def main(argv=None) -> int:
 
     for shape in shapes:
         elapsed = time.perf_counter() - started
-        if args.time_budget and elapsed > args.time_budget:
+        reason = None
+        if args.cuda_broken:
+            reason = f"skipped: CUDA context broken ({args.cuda_broken})"
+        elif args.time_budget and elapsed > args.time_budget:
             reason = f"skipped: time budget of {args.time_budget:g} s used up ({elapsed:.0f} s)"
+        if reason:
             report["shapes"].append({"name": shape.name, "label": shape.label, "status": "skipped",
                                      "reason": reason, "shape": dataclasses.asdict(shape)})
             log(f"{shape.name}: {reason}")

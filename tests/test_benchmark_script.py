@@ -92,7 +92,7 @@ def _fake_report(bench):
            "gpu": "NVIDIA H200", "sm_count": 132, "capability": "9.0", "gpu_memory_gib": 139.8,
            "git_commit": "0" * 40, "hf_deltamatch": "0.1.0"}
     meta = {k: "x" for k in ("timing", "flops", "ratio", "ops_doc", "memory", "check")}
-    meta.update(date="2026-11-29 15:00 UTC", dry_run=False, ops=list(ops), ratio_base="sdpa-cudnn")
+    meta.update(date="2026-11-29 15:00 UTC", dry_run=False, ops=list(ops), ratio_base="sdpa-cudnn", backend="triton")
     return {"meta": meta, "environment": env, "shapes": [entry, skipped]}
 
 
