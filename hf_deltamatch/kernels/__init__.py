@@ -26,8 +26,15 @@ __all__ = ["backward", "forward", "supports"]
 DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.DS_TILE_Q)
 
 
+# Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py): {"fwd": (BLOCK_M, warps, stages),
+# "dq": (warps, stages), "dkdv": (warps, stages)}. Empty in normal use.
+TUNE: dict = {}
+
+
 def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     """(BLOCK_M, num_warps, num_stages) of the forward, by head dim (H200 measurements, benchmarks/NOTES.md)."""
+    if "fwd" in TUNE:
+        return TUNE["fwd"]
     d = max(dqk, dv)
     if d <= 64:
         return 128, 4, 3
@@ -40,10 +47,12 @@ def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     """(dq warps, dq stages, dkdv warps, dkdv stages)."""
     d = max(dqk, dv)
     if d <= 64:
-        return 4, 2, 4, 2
-    if d <= 128:
-        return 4, 2, 8, 2
-    return 8, 1, 16, 1
+        base = (4, 2, 4, 2)
+    elif d <= 128:
+        base = (4, 2, 8, 2)
+    else:
+        base = (8, 1, 16, 1)
+    return (*TUNE.get("dq", base[:2]), *TUNE.get("dkdv", base[2:]))
 
 
 def supports(q, k, v, window, config) -> str | None:

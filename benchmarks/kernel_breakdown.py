@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Per-kernel time of hf_deltamatch.kernels (quantize, forward, correction pass, dQ, dK/dV) on the GPU,
+with SDPA cuDNN BF16 timed in the same run as the base, and launch-config variants.
+
+  python benchmarks/kernel_breakdown.py --out DIR [--variants]
+
+Per-kernel device times come from torch.profiler (sum of each kernel's CUDA time per call); totals from
+triton.testing.do_bench (median, L2 flushed). The correction pass is the dQ kernel's time with
+delta="matching" minus with delta="stale" (the stale dQ kernel skips the first pass over the keys).
+FLOPs: ANCHORS.md convention (fwd 4*B*H*N^2*D, halved for causal; bwd 2.5x; fwd+bwd 3.5x).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from hf_deltamatch import kernels as K  # noqa: E402
+from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
+
+SHAPES = {
+    "d128-causal": (2, 16, 16, 8192, 128, True),
+    "d128-full": (2, 16, 16, 8192, 128, False),
+    "d64-causal": (2, 32, 32, 8192, 64, True),
+    "gqa-causal": (2, 16, 4, 8192, 128, True),
+}
+
+
+def flops(B, H, N, D, causal):
+    f = 4 * B * H * N * N * D
+    return f / 2 if causal else f
+
+
+def bench(fn):
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def kernel_times(fn, iters=5):
+    """{kernel name: ms per call} from the profiler."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0:
+            name = ev.key if len(ev.key) < 60 else ev.key[:57] + "..."
+            out[name] = out.get(name, 0.0) + t / 1000.0 / iters
+    return out
+
+
+def run_shape(name, B, Hq, Hkv, N, D, causal, precision="fp8", delta="matching"):
+    cfg = DeltaMatchConfig(precision=precision, delta=delta)
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None, config=cfg)
+    f = K.forward(q, k, v, **kw)
+    fwd = lambda: K.forward(q, k, v, **kw)  # noqa: E731
+    bwd = lambda: K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)  # noqa: E731
+    t_fwd, t_bwd = bench(fwd), bench(bwd)
+    kf, kb = kernel_times(fwd), kernel_times(bwd)
+    F = flops(B, Hq, N, D, causal)
+    return dict(name=name, precision=precision, delta=delta, fwd_ms=t_fwd, bwd_ms=t_bwd, total_ms=t_fwd + t_bwd,
+                fwd_tflops=F / t_fwd / 1e9, total_tflops=3.5 * F / (t_fwd + t_bwd) / 1e9,
+                fwd_kernels=kf, bwd_kernels=kb)
+
+
+def sdpa(B, Hq, Hkv, N, D, causal, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+    gqa = Hq != Hkv
+    with sdpa_kernel(be):
+        f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)  # noqa
+        o = f()
+        t_fwd = bench(f)
+        t_all = bench(lambda: torch.autograd.grad(f(), (q, k, v), do))
+    return dict(fwd_ms=t_fwd, total_ms=t_all)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--variants", default="", help="semicolon-separated TUNE dicts to try on d128-causal")
+    args = p.parse_args()
+    rows, lines = [], []
+    for name in args.shapes.split(","):
+        B, Hq, Hkv, N, D, causal = SHAPES[name]
+        base = sdpa(B, Hq, Hkv, N, D, causal, "cudnn")
+        F = flops(B, Hq, N, D, causal)
+        base["fwd_tflops"] = F / base["fwd_ms"] / 1e9
+        base["total_tflops"] = 3.5 * F / base["total_ms"] / 1e9
+        rows.append(dict(name=name, op="sdpa-cudnn", **base))
+        lines.append(f"{name:12s} sdpa-cudnn          fwd {base['fwd_ms']:7.3f} ({base['fwd_tflops']:4.0f})"
+                     f"  fwd+bwd {base['total_ms']:7.3f} ({base['total_tflops']:4.0f})")
+        modes = [("fp8", "matching"), ("fp8", "stale"), ("bf16", "matching")] if name == "d128-causal" else \
+            [("fp8", "matching")]
+        for prec, delta in modes:
+            r = run_shape(name, B, Hq, Hkv, N, D, causal, prec, delta)
+            r["op"] = f"dm-{prec}-{delta}"
+            rows.append(r)
+            lines.append(f"{name:12s} {r['op']:18s}  fwd {r['fwd_ms']:7.3f} ({r['fwd_tflops']:4.0f})  fwd+bwd "
+                         f"{r['total_ms']:7.3f} ({r['total_tflops']:4.0f})  x{r['total_ms'] / base['total_ms']:.3f}"
+                         f" of cudnn  bwd {r['bwd_ms']:.3f}")
+            ks = {**{"F:" + k_: v_ for k_, v_ in r["fwd_kernels"].items()},
+                  **{"B:" + k_: v_ for k_, v_ in r["bwd_kernels"].items()}}
+            lines.append("      " + "  ".join(f"{k_}={v_:.3f}" for k_, v_ in sorted(ks.items(), key=lambda x: -x[1])))
+    for var in filter(None, args.variants.split(";")):
+        K.TUNE.clear()
+        K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
+        try:
+            r = run_shape("d128-causal", *SHAPES["d128-causal"][:3], 8192, 128, True)
+            r["op"], r["tune"] = "dm-fp8-matching", var
+            rows.append(r)
+            kb = {k_[:14]: round(v_, 3) for k_, v_ in r["bwd_kernels"].items() if "_bwd" in k_}
+            kf = {k_[:11]: round(v_, 3) for k_, v_ in r["fwd_kernels"].items() if "_fwd" in k_}
+            lines.append(f"variant {var}: fwd {r['fwd_ms']:.3f} bwd {r['bwd_ms']:.3f} {kf} {kb}")
+        except Exception as e:  # a config that does not compile (smem) is a result too
+            lines.append(f"variant {var}: FAILED {type(e).__name__}: {str(e)[:120]}")
+        K.TUNE.clear()
+    meta = dict(date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
+                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version())
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.utcnow().strftime("%Y%m%d-%H%M")
+    with open(os.path.join(args.out, f"kernel-breakdown-{stamp}.json"), "w") as fh:
+        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    text = "\n".join([f"# kernel breakdown {meta}", "ms (TFLOP/s)", *lines])
+    with open(os.path.join(args.out, f"kernel-breakdown-{stamp}.md"), "w") as fh:
+        fh.write("```\n" + text + "\n```\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

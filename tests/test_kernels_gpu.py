@@ -1,0 +1,149 @@
+"""GPU tests of hf_deltamatch.kernels at real sizes: agreement with the reference backend (same contract),
+accuracy against exact attention, and the Delta-Matching invariant at 8K/32K. Run on the H200."""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from hf_deltamatch import reference as R  # noqa: E402
+from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
+
+if torch.cuda.is_available():
+    from hf_deltamatch import kernels as K
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(B, Hq, Hkv, N, M, Dqk, Dv, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float32, generator=g).to(dtype)  # noqa: E731
+    return mk(B, Hq, N, Dqk), mk(B, Hkv, M, Dqk), mk(B, Hkv, M, Dv), mk(B, Hq, N, Dv)
+
+
+def _compare(B=1, Hq=4, Hkv=4, N=2048, M=None, Dqk=128, Dv=None, causal=True, window=None, cu=None,
+             dtype=torch.bfloat16, tol=2e-3, **cfg):
+    M = M or N
+    Dv = Dv or Dqk
+    config = DeltaMatchConfig(**cfg)
+    q, k, v, do = _inputs(B, Hq, Hkv, N, M, Dqk, Dv, dtype)
+    cuq = cuk = None
+    if cu is not None:
+        cuq = cuk = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    kw = dict(causal=causal, softmax_scale=Dqk ** -0.5, window=window, cu_seqlens_q=cuq, cu_seqlens_k=cuk,
+              config=config)
+    assert K.supports(q, k, v, window, config) is None
+    fk = K.forward(q, k, v, **kw)
+    fr = R.forward(q, k, v, **kw)
+    errs = {"out": _rel(fk[0], fr[0])}
+    fin = torch.isfinite(fr[1])
+    assert torch.equal(torch.isfinite(fk[1]), fin)
+    errs["lse"] = (fk[1][fin] - fr[1][fin]).abs().max().item() if fin.any() else 0.0
+    if config.precision == "fp8":
+        for i, name in ((2, "q8"), (3, "k8"), (4, "v8")):
+            errs[name + "_mismatch"] = (fk[i].float() != fr[i].float()).float().mean().item()
+        assert fk[4].stride() == fr[4].stride()  # v8 saved row-major, like the reference
+    # the backward from the SAME saved tensors (the reference's), so only the backward is compared
+    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    for name, a, b in zip(("dq", "dk", "dv"), gk, gr):
+        assert torch.isfinite(a).all(), name
+        errs[name] = _rel(a, b)
+    print(errs)
+    for name in ("out", "dq", "dk", "dv"):
+        assert errs[name] <= tol, (name, errs)
+    assert errs["lse"] < 1e-4
+    return errs
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_dense_fp8(D, causal):
+    _compare(B=2, Hq=4, Hkv=4, N=2048, Dqk=D, causal=causal)
+
+
+@pytest.mark.parametrize("precision,delta", [("bf16", "matching"), ("fp8", "stale"), ("bf16", "stale")])
+def test_modes(precision, delta):
+    _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128, precision=precision, delta=delta)
+
+
+def test_gqa_fp16_block64_tails():
+    _compare(B=2, Hq=8, Hkv=2, N=1000, M=1500, Dqk=128, dtype=torch.float16, block=64)
+
+
+def test_mla_dims_window():
+    _compare(B=1, Hq=4, Hkv=1, N=3000, Dqk=192, Dv=128, window=700)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_varlen(window):
+    _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1000, 1001, 3000, 4096], window=window)
+
+
+def test_e5m2_pow2():
+    _compare(B=1, Hq=2, Hkv=2, N=2048, Dqk=128, grad_format="e5m2", scale_rounding="pow2")
+
+
+def test_non_contiguous_bshd():
+    """transformers hands (B, H, S, D) views of (B, S, H, D) tensors."""
+    B, N, H, D = 2, 1024, 4, 128
+    cfg = DeltaMatchConfig()
+    base = [torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    q, k, v, do = (t.transpose(1, 2) for t in base)
+    kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None, config=cfg)
+    fk, fr = K.forward(q, k, v, **kw), R.forward(q, k, v, **kw)
+    assert _rel(fk[0], fr[0]) < 2e-3
+    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    for a, b in zip(gk, gr):
+        assert _rel(a, b) < 2e-3
+
+
+def test_against_exact_attention():
+    B, H, N, D = 1, 4, 2048, 128
+    q, k, v, do = _inputs(B, H, H, N, N, D, D, torch.bfloat16, seed=3)
+    for prec, tol_f, tol_b in (("fp8", 5e-2, 1e-1), ("bf16", 1e-2, 1e-2)):
+        cfg = DeltaMatchConfig(precision=prec)
+        kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=cfg)
+        f = K.forward(q, k, v, **kw)
+        g = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+        qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+        o.backward(do.double())
+        assert _rel(f[0], o) < tol_f
+        for a, b in zip(g, (qd.grad, kd.grad, vd.grad)):
+            assert _rel(a, b) < tol_b, (prec, _rel(a, b))
+
+
+@pytest.mark.parametrize("N", [8192, 32768])
+def test_invariant_residual(N):
+    """sum_j dS_ij = 0 up to fp32 rounding with matching; orders of magnitude off with stale."""
+    B, H, D = 1, 2, 128
+    q, k, v, do = _inputs(B, H, H, N, N, D, D, torch.bfloat16, seed=1)
+    res = {}
+    for delta in ("matching", "stale"):
+        cfg = DeltaMatchConfig(delta=delta)
+        kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=cfg)
+        f = K.forward(q, k, v, **kw)
+        *_, rs, ra = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, return_row_sums=True)
+        res[delta] = (rs.abs() / ra.clamp_min(1e-30)).max().item()
+    print(N, res)
+    assert res["matching"] <= 1e-5
+    assert res["stale"] > 100 * res["matching"]
+
+
+def test_long_65536_runs():
+    B, H, N, D = 1, 4, 65536, 128
+    q, k, v, do = _inputs(B, H, H, N, N, D, D, torch.bfloat16, seed=2)
+    kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    f = K.forward(q, k, v, **kw)
+    g = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+    assert all(torch.isfinite(t).all() for t in (f[0], *g))
