@@ -39,9 +39,9 @@ def qwen3_sliding_config(**kw):
     """Qwen3 with a sliding window of 8 tokens on the first layer, full attention on the second."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(**_common(dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
-                                 sliding_window=8, max_window_layers=1,
-                                 layer_types=["sliding_attention", "full_attention"]), kw))
+    return Qwen3Config(**_common(dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                      layer_types=["sliding_attention", "full_attention"]), kw))
 
 
 def qwen3_next_config(**kw):

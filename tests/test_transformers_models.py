@@ -25,13 +25,11 @@ import pytest
 import torch
 
 import hf_deltamatch
-from hf_deltamatch import DeltaMatchConfig
 from hf_deltamatch.integrations import transformers as integration
 
+pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(__file__))
 import _tiny_models as tiny  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 
 ALL_MODELS = list(tiny.CONFIGS)
 BF16_FWD_TOL, BF16_GRAD_TOL = 2e-2, 3e-2
@@ -194,9 +192,25 @@ def test_fp8_differs_from_bf16_mode_and_comparisons_are_sensitive(monkeypatch):
         assert rel_err(fp8, bf16) > 5 * rel_err(bf16, ref_logits)
 
         real = integration.deltamatch_attention
-        monkeypatch.setattr(integration, "deltamatch_attention", lambda q, k, v, **kw: real(q, k, v, **{**kw, "causal": False}))
+        monkeypatch.setattr(integration, "deltamatch_attention",
+                            lambda q, k, v, **kw: real(q, k, v, **{**kw, "causal": False}))
         broken = ours(input_ids=ids).logits
     assert rel_err(broken, ref_logits) > 3 * FP8_FWD_TOL
+
+
+def test_sliding_window_comparison_is_sensitive(monkeypatch):
+    """Dropping the window (full causal attention on the sliding layer) fails the bf16 parity tolerance."""
+    set_precision("bf16")
+    ids = token_ids(2, 48)
+    with torch.no_grad():
+        ref_logits = tiny.build("qwen3_sliding", "sdpa")(input_ids=ids).logits
+        ours = tiny.build("qwen3_sliding", "deltamatch_fp8")
+        assert rel_err(ours(input_ids=ids).logits, ref_logits) <= BF16_FWD_TOL
+        real = integration.deltamatch_attention
+        monkeypatch.setattr(integration, "deltamatch_attention",
+                            lambda q, k, v, **kw: real(q, k, v, **{**kw, "window": None}))
+        no_window = ours(input_ids=ids).logits
+    assert rel_err(no_window, ref_logits) > 5 * BF16_FWD_TOL
 
 
 def test_env_override_selects_precision(monkeypatch, spy):
@@ -212,6 +226,7 @@ def test_env_override_selects_precision(monkeypatch, spy):
         bf16 = ours(input_ids=ids).logits
     assert torch.equal(env_bf16, bf16)
     assert not torch.equal(fp8, bf16)
+    assert len(spy) == 3 * 2
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -233,6 +248,25 @@ def test_generate_greedy_matches_sdpa_in_bf16_mode(name, spy):
     decode = spy[n_attn:]
     assert all(c["q_shape"][2] == 1 and c["k_shape"][2] > 1 and c["causal"] for c in decode)
     assert decode[-1]["k_shape"][2] == 24 + 11
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_multi_token_continuation_with_cache(name, spy):
+    """Several new tokens on top of a KV cache (chunked prefill, assisted decoding): q_len 8 < kv_len 28,
+    causal aligned bottom-right, equals the same positions of one uncached pass."""
+    set_precision("bf16")
+    model = tiny.build(name, "deltamatch_fp8", dtype=torch.float32)
+    ids = token_ids(2, 28, seed=9)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[:, 20:]
+        first = model(input_ids=ids[:, :20], use_cache=True)
+        spy.clear()
+        cont = model(input_ids=ids[:, 20:], cache=first.past_key_values).logits
+    assert len(spy) == tiny.n_attention_layers(model.config)
+    # Full layers see the 20 cached keys + 8 new; a sliding layer's cache keeps window - 1 = 7 keys.
+    assert all(c["q_shape"][2] == 8 and c["k_shape"][2] == (28 if c["window"] is None else 7 + 8) and c["causal"]
+               for c in spy)
+    assert rel_err(cont, full) <= 2e-3
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v3", "kimi_linear"])
@@ -305,7 +339,7 @@ def test_mask_function_leaves_bidirectional_and_dynamic_masks_alone():
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-@pytest.mark.parametrize("name", tiny.ATTENTION_ONLY)
+@pytest.mark.parametrize("name", ALL_MODELS)
 def test_padding_matches_unpadded(name, side, spy):
     set_precision("bf16")
     model = tiny.build(name, "deltamatch_fp8", dtype=torch.float32)  # fp32 linears: only the op rounds
@@ -333,15 +367,23 @@ def test_padding_matches_unpadded(name, side, spy):
 # ----------------------------------------------------------------------------------------------------
 
 
+PACKABLE = {name: {} for name in tiny.ATTENTION_ONLY}
+# Qwen3-Next and Kimi Linear with both layers full attention: their attention modules (gated attention, MLA)
+# under packing. With their linear-attention layers, packing fails upstream of the op on CPU: without
+# flash-linear-attention the torch fallbacks of Gated DeltaNet / KDA do not keep packed sequences apart
+# (Qwen3-Next raises for cu_seq_lens and mixes documents for position_ids; Kimi Linear mixes them).
+PACKABLE["qwen3_next_all_attention"] = {"layer_types": ["full_attention"] * 2}
+PACKABLE["kimi_linear_all_attention"] = {"layer_types": ["full_attention"] * 2}
+
+
 @pytest.mark.parametrize("flash_kwargs", [True, False], ids=["cu_seq_lens", "position_ids"])
-@pytest.mark.parametrize("name", tiny.ATTENTION_ONLY)
-def test_packed_training_equals_per_sequence(name, flash_kwargs, spy):
-    """Linear-attention models (Qwen3-Next, Kimi Linear) are left out: their CPU torch fallbacks for the
-    linear layers do not take sequence boundaries, so packing mixes documents there, not in the op."""
+@pytest.mark.parametrize("variant", list(PACKABLE))
+def test_packed_training_equals_per_sequence(variant, flash_kwargs, spy):
     from transformers import DataCollatorWithFlattening
 
     set_precision("bf16")
-    model = tiny.build(name, "deltamatch_fp8", dtype=torch.float32)
+    name = variant.replace("_all_attention", "")
+    model = tiny.build(name, "deltamatch_fp8", dtype=torch.float32, **PACKABLE[variant])
     model.train()
     lengths = [21, 9, 30]
     seqs = [token_ids(1, n, seed=20 + i)[0].tolist() for i, n in enumerate(lengths)]
@@ -501,6 +543,12 @@ def test_head_dim_not_a_multiple_of_16_raises():
     model = tiny.build("llama", "deltamatch_fp8", head_dim=8, num_attention_heads=8, num_key_value_heads=8)
     with pytest.raises(ValueError, match=r"head dim 8 .*multiple of 16.*sdpa"):
         model(input_ids=token_ids(1, 16))
+
+
+def test_output_attentions_raises():
+    model = tiny.build("llama", "deltamatch_fp8")
+    with pytest.raises(ValueError, match=r"attention weights.*eager"):
+        model(input_ids=token_ids(1, 16), output_attentions=True)
 
 
 def test_attention_sinks_raise():
