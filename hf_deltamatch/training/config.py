@@ -210,6 +210,11 @@ def validate(cfg: TrainConfig) -> None:
     elif cfg.model_config is not None:
         if not isinstance(cfg.model_config, dict) or "model_type" not in cfg.model_config:
             err.append("model_config must be a mapping with a 'model_type' key (e.g. qwen3_5_text, qwen3_next, qwen3).")
+        elif cfg.model is None and cfg.attn == "deltamatch_fp8":
+            mc = cfg.model_config
+            hd = mc.get("head_dim") or (mc.get("hidden_size", 0) // max(1, mc.get("num_attention_heads", 1)))
+            if hd and hd % 16:
+                err.append(f"deltamatch_fp8 needs head_dim % 16 == 0; model_config gives head_dim {hd}.")
     if cfg.attn not in ATTN_CHOICES:
         err.append(f"--attn {cfg.attn!r}: choose one of {list(ATTN_CHOICES)}.")
     if cfg.precision not in ("fp8", "bf16"):

@@ -102,6 +102,9 @@ def train(cfg: TrainConfig) -> dict:
         # accelerate's batch dispatcher).
         dataloader_config=DataLoaderConfiguration(dispatch_batches=False),
         step_scheduler_with_optimizer=False,
+        # Without a GPU, say so explicitly: accelerate then runs multi-process (torchrun/accelerate launch) as
+        # CPU DDP over gloo instead of silently starting independent single-process runs.
+        cpu=not torch.cuda.is_available(),
     )
     main = accelerator.is_main_process
     logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(message)s")

@@ -252,6 +252,7 @@ class CausalLMWithLoss(nn.Module):
         # Shifted targets: token t predicts labels[t + 1]; the collator put -100 at document starts.
         shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         n_tokens = (shift != -100).sum()
+        kwargs.setdefault("use_cache", False)  # training never needs a KV cache (and packed rows must not get one)
         if self.loss_chunk <= 0:
             out = self.model(input_ids=input_ids, **kwargs)
             logits = out.logits.float()
