@@ -101,6 +101,18 @@ def test_ruler_task_through_deltamatch_fp8(tiny_model_dir, ruler_sources, tmp_pa
     printed = capsys.readouterr().out
     assert "RULER (string match, %)" in printed and "niah_single_2" in printed
 
+    # ... and a model card made from that real output carries the same number
+    from huggingface_hub import ModelCard
+
+    import _eval_assets as A
+    from hf_deltamatch.eval.cli import card_main
+
+    run = A.write_run_dir(tmp_path / "run", model_src=tiny_model_dir)
+    assert card_main([str(run), "--eval", str(out)]) == 0
+    card = ModelCard.load(run / "final" / "README.md")
+    got = {(e.dataset_name, e.dataset_config): e.metric_value for e in card.data.eval_results}
+    assert got[("RULER niah_single_2", "1024")] == round(100 * score, 2)
+
 
 def test_preflight_skips_ruler_tasks_whose_files_are_missing(monkeypatch, capsys):
     from lm_eval.tasks import TaskManager
