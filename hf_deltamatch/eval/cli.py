@@ -98,6 +98,24 @@ def format_summaries(results: dict) -> str:
     return "\n\n".join(parts)
 
 
+def _as_dict(value: Any) -> dict:
+    if not value:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    from lm_eval.utils import simple_parse_args_string
+
+    return simple_parse_args_string(str(value))
+
+
+def _file_config(args: argparse.Namespace) -> dict:
+    if not getattr(args, "config", None):
+        return {}
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    return EvaluatorConfig.load_yaml_config(args.config)
+
+
 def eval_main(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -130,14 +148,27 @@ def eval_main(argv: list[str]) -> int:
         args.func(args)
         return 0
 
-    args.model = args.model or lm_eval_model.MODEL_NAME
-    if not args.tasks:
+    # A --config YAML may carry model/tasks/metadata; CLI flags win over it, as in lm-eval.
+    file_cfg = _file_config(args)
+    args.model = args.model or file_cfg.get("model") or lm_eval_model.MODEL_NAME
+    if file_cfg.get("include_path"):
+        args.include_path += [p for p in str(file_cfg["include_path"]).split(":") if p]
+    tasks = args.tasks or file_cfg.get("tasks")
+    if isinstance(tasks, str):
+        tasks = [t for t in tasks.split(",") if t]
+    if not tasks:
         _say("--tasks is required (e.g. --tasks ruler_dm, --tasks commonsense_dm, --tasks hellaswag)")
         return 2
     from lm_eval.tasks import TaskManager
 
-    meta = {**(args.model_args or {}), **(args.metadata or {})}
-    args.tasks = _expand_and_filter(list(args.tasks), meta, TaskManager(include_path=args.include_path))
+    # lm-eval replaces the file's dicts with the flag's; merge instead so a config file can hold
+    # dtype/max_length/lengths while the command line adds pretrained= and local paths.
+    for key in ("model_args", "metadata"):
+        if file_cfg.get(key) and getattr(args, key, None):
+            setattr(args, key, {**_as_dict(file_cfg[key]), **getattr(args, key)})
+    meta = {**_as_dict(file_cfg.get("model_args")), **(args.model_args or {}),
+            **_as_dict(file_cfg.get("metadata")), **(args.metadata or {})}
+    args.tasks = _expand_and_filter(list(tasks), meta, TaskManager(include_path=args.include_path))
 
     captured: dict[str, Any] = {}
     original = lm_eval.simple_evaluate if "simple_evaluate" in vars(lm_eval) else None
