@@ -148,6 +148,7 @@ def train(cfg: TrainConfig) -> dict:
     if resume_dir is not None:
         accelerator.load_state(str(resume_dir))
         log.info("resumed from %s at step %d", resume_dir, state.step)
+    start_step = state.step
 
     if main:
         log.info("model %s: %.2fM params (%.2fM trainable), attn=%s precision=%s delta=%s; %s blocks of %d "
@@ -292,7 +293,8 @@ def train(cfg: TrainConfig) -> dict:
     accelerator.wait_for_everyone()
     summary = {"name": cfg.name, "steps": state.step, "tokens": state.tokens, "elapsed_s": time.time() - t_start,
                "final_val_loss": last_val, "attn": cfg.attn, "precision": cfg.precision, "delta": cfg.delta,
-               "interrupted": stopped, "params": n_params, "trainable_params": n_train}
+               "interrupted": stopped, "params": n_params, "trainable_params": n_train,
+               "num_processes": accelerator.num_processes, "start_step": start_step}
     if main:
         records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
         train_recs = [r for r in records if r.get("kind") == "train"]
