@@ -100,7 +100,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--variants", default="", help="semicolon-separated TUNE dicts to try on d128-causal")
+    p.add_argument("--variants", default="", help="semicolon-separated TUNE dicts to try on --variant-shapes")
+    p.add_argument("--variant-shapes", default="d128-causal")
     args = p.parse_args()
     rows, lines = [], []
     for name in args.shapes.split(","):
@@ -124,18 +125,18 @@ def main():
             ks = {**{"F:" + k_: v_ for k_, v_ in r["fwd_kernels"].items()},
                   **{"B:" + k_: v_ for k_, v_ in r["bwd_kernels"].items()}}
             lines.append("      " + "  ".join(f"{k_}={v_:.3f}" for k_, v_ in sorted(ks.items(), key=lambda x: -x[1])))
-    for var in filter(None, args.variants.split(";")):
+    for var, vshape in [(v_, s_) for s_ in args.variant_shapes.split(",") for v_ in args.variants.split(";") if v_]:
         K.TUNE.clear()
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         try:
-            r = run_shape("d128-causal", *SHAPES["d128-causal"][:3], 8192, 128, True)
+            r = run_shape(vshape, *SHAPES[vshape])
             r["op"], r["tune"] = "dm-fp8-matching", var
             rows.append(r)
             kb = {k_[:14]: round(v_, 3) for k_, v_ in r["bwd_kernels"].items() if "_bwd" in k_}
             kf = {k_[:11]: round(v_, 3) for k_, v_ in r["fwd_kernels"].items() if "_fwd" in k_}
-            lines.append(f"variant {var}: fwd {r['fwd_ms']:.3f} bwd {r['bwd_ms']:.3f} {kf} {kb}")
+            lines.append(f"variant {vshape} {var}: fwd {r['fwd_ms']:.3f} bwd {r['bwd_ms']:.3f} {kf} {kb}")
         except Exception as e:  # a config that does not compile (smem) is a result too
-            lines.append(f"variant {var}: FAILED {type(e).__name__}: {str(e)[:120]}")
+            lines.append(f"variant {vshape} {var}: FAILED {type(e).__name__}: {str(e)[:120]}")
         K.TUNE.clear()
     meta = dict(date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -26,11 +26,18 @@ def _inputs(B, Hq, Hkv, N, M, Dqk, Dv, dtype, seed=0):
     return mk(B, Hq, N, Dqk), mk(B, Hkv, M, Dqk), mk(B, Hkv, M, Dv), mk(B, Hq, N, Dv)
 
 
+# Hopper's FP8 MMA (QGMMA) does not accumulate in full fp32 (products are summed with ~14 mantissa bits,
+# DeepSeek-V3 tech report 3.3.2), so on the GPU the fp8 kernels agree with the fp32 reference to a few 1e-3
+# rather than the interpreter's 1e-5 (tests/test_kernels.py); bf16 mode (HGMMA, fp32 accumulation) stays tight.
+FP8_TOL, BF16_TOL = 1e-2, 2e-3
+
+
 def _compare(B=1, Hq=4, Hkv=4, N=2048, M=None, Dqk=128, Dv=None, causal=True, window=None, cu=None,
-             dtype=torch.bfloat16, tol=2e-3, **cfg):
+             dtype=torch.bfloat16, tol=None, **cfg):
     M = M or N
     Dv = Dv or Dqk
     config = DeltaMatchConfig(**cfg)
+    tol = tol or (FP8_TOL if config.precision == "fp8" else BF16_TOL)
     q, k, v, do = _inputs(B, Hq, Hkv, N, M, Dqk, Dv, dtype)
     cuq = cuk = None
     if cu is not None:
@@ -54,10 +61,12 @@ def _compare(B=1, Hq=4, Hkv=4, N=2048, M=None, Dqk=128, Dv=None, causal=True, wi
     for name, a, b in zip(("dq", "dk", "dv"), gk, gr):
         assert torch.isfinite(a).all(), name
         errs[name] = _rel(a, b)
-    print(errs)
+    print(f"ERRS {config.precision}-{config.delta} B{B} H{Hq}/{Hkv} N{N} M{M} D{Dqk}/{Dv} causal={causal} "
+          f"window={window} varlen={cu is not None} block={config.block}:",
+          {k_: float(f"{v_:.3g}") for k_, v_ in errs.items()})
     for name in ("out", "dq", "dk", "dv"):
         assert errs[name] <= tol, (name, errs)
-    assert errs["lse"] < 1e-4
+    assert errs["lse"] < (2e-3 if config.precision == "fp8" else 1e-4)
     return errs
 
 
@@ -97,11 +106,11 @@ def test_non_contiguous_bshd():
     q, k, v, do = (t.transpose(1, 2) for t in base)
     kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None, config=cfg)
     fk, fr = K.forward(q, k, v, **kw), R.forward(q, k, v, **kw)
-    assert _rel(fk[0], fr[0]) < 2e-3
+    assert _rel(fk[0], fr[0]) < FP8_TOL
     gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
     gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
     for a, b in zip(gk, gr):
-        assert _rel(a, b) < 2e-3
+        assert _rel(a, b) < FP8_TOL
 
 
 def test_against_exact_attention():
@@ -116,6 +125,7 @@ def test_against_exact_attention():
         qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
         o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
         o.backward(do.double())
+        print("EXACT", prec, "out", _rel(f[0], o), [_rel(a, b) for a, b in zip(g, (qd.grad, kd.grad, vd.grad))])
         assert _rel(f[0], o) < tol_f
         for a, b in zip(g, (qd.grad, kd.grad, vd.grad)):
             assert _rel(a, b) < tol_b, (prec, _rel(a, b))
@@ -134,7 +144,7 @@ def test_invariant_residual(N):
         f = K.forward(q, k, v, **kw)
         *_, rs, ra = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, return_row_sums=True)
         res[delta] = (rs.abs() / ra.clamp_min(1e-30)).max().item()
-    print(N, res)
+    print("INVARIANT", N, res)
     assert res["matching"] <= 1e-5
     assert res["stale"] > 100 * res["matching"]
 

@@ -23,7 +23,7 @@ from .forward import _key_ranges, _load_2d, _visible
 
 
 @triton.jit
-def _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
+def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
               start_m, lo, hi, n, m, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
@@ -63,12 +63,14 @@ def _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn
                 ds8 = to_fp8(ds / sds, E5M2, INTERP)
                 kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
                               MASK, BLOCK_DQK != DQK)
-                dq += tl.dot(ds8, kt) * (sds * tl.load(SK + start_n))
+                c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
+                dq = tl.dot(ds8, kt, dq * (c_dq / c))
+                c_dq = c
             elif INTERP:
-                dq += tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(tl.float32), k)
+                dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(tl.float32), k, dq)
             else:
-                dq += tl.dot(ds.to(K.dtype.element_ty), k)
-    return dq, delta, rs, ra
+                dq = tl.dot(ds.to(K.dtype.element_ty), k, dq)
+    return dq, c_dq, delta, rs, ra
 
 
 @triton.jit
@@ -134,6 +136,7 @@ def _bwd_dq_kernel(
         dp_f = tl.load(SDO + row0 + start_m, mask=start_m < n, other=1.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
+    c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (fp8: sds * sk of the last key tile)
     delta = tl.zeros([BLOCK_M], tl.float32)
     rs = tl.zeros([BLOCK_M], tl.float32)
     ra = tl.zeros([BLOCK_M], tl.float32)
@@ -146,32 +149,32 @@ def _bwd_dq_kernel(
         delta = tl.sum(dohp * o, 1)
     else:  # the correction pass
         if HAS_WINDOW:
-            dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+            dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                           skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
                                           BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
                                           HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
-        dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+        dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                       skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
                                       BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
                                       HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
-        dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+        dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                       skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
                                       BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
                                       HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
     if HAS_WINDOW:
-        dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+        dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                       skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
                                       BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
                                       HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
-    dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+    dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                   skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
                                   BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
                                   HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
-    dq, delta, rs, ra = _dq_inner(dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+    dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                   skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
                                   BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
                                   HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
-    dq = dq * softmax_scale
+    dq = dq * (c_dq * softmax_scale)
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DELTA + row0 + offs_m, delta, mask=rmask)
@@ -205,7 +208,7 @@ def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, w
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
+def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
                 sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd,
                 start_n, lo, hi, n, m, window,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -255,16 +258,21 @@ def _dkdv_inner(dk, dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
                           MASK, BLOCK_DQK != DQK)
             dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
                             MASK, BLOCK_DV != DV)
-            dv += tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_) * (sdo_t / 256.0)
+            # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
+            cv = sdo_t / 256.0
+            dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv * (c_dv / cv))
+            c_dv = cv
             sds = tile_scale(tl.max(tl.max(tl.abs(dst), 1), 0), FMAX, POW2)
-            dk += tl.dot(to_fp8(dst / sds, E5M2, INTERP), qt) * (sds * sq_t)
+            ck = sds * sq_t
+            dk = tl.dot(to_fp8(dst / sds, E5M2, INTERP), qt, dk * (c_dk / ck))
+            c_dk = ck
         elif INTERP:
-            dv += tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(tl.float32), do)
-            dk += tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(tl.float32), q)
+            dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(tl.float32), do, dv)
+            dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(tl.float32), q, dk)
         else:
-            dv += tl.dot(pt.to(Q.dtype.element_ty), do)
-            dk += tl.dot(dst.to(Q.dtype.element_ty), q)
-    return dk, dv
+            dv = tl.dot(pt.to(Q.dtype.element_ty), do, dv)
+            dk = tl.dot(dst.to(Q.dtype.element_ty), q, dk)
+    return dk, dv, c_dk, c_dv
 
 
 @triton.jit
@@ -316,6 +324,8 @@ def _bwd_dkdv_kernel(
         dp_f = tl.load(SV + kv_row, mask=start_n < m, other=1.0)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of c_dk, c_dv (the last tile scales)
+    c_dv = softmax_scale * 0.0 + 1.0
     lo, mid_lo, mid_hi, hi = _query_ranges(start_n, BLOCK_M, BLOCK_N, n, m, window, CAUSAL, HAS_WINDOW)
     if start_n >= m:
         hi = 0
@@ -333,19 +343,20 @@ def _bwd_dkdv_kernel(
         SDOg = SDO + bh * N + q0
         LSEg = LSE + bh * N + q0
         DELTAg = DELTA + bh * N + q0
-        dk, dv = _dkdv_inner(dk, dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+        dk, dv, c_dk, c_dv = _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
                              sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
                              BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8,
                              FMAX, E5M2, POW2, INTERP)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+        dk, dv, c_dk, c_dv = _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
                              sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
                              BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8,
                              FMAX, E5M2, POW2, INTERP)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+        dk, dv, c_dk, c_dv = _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
                              sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
                              BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8,
                              FMAX, E5M2, POW2, INTERP)
-    dk = dk * softmax_scale
+    dk = dk * (c_dk * softmax_scale)
+    dv = dv * c_dv
     nmask = offs_n < m
     tl.store(DK + b64 * sdkb + hk64 * sdkh + k064 * sdkn + offs_n[:, None] * sdkn + offs_dqk[None, :] * sdkd,
              cast_to(dk, DK.dtype.element_ty, INTERP), mask=nmask[:, None] & (offs_dqk[None, :] < DQK))

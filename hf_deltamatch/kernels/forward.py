@@ -8,8 +8,8 @@ One program per (query block, batch*head, sequence). Keys are visited in `block`
 Tiles every row cannot see are skipped (exact, per the contract). Softmax runs in the log2 domain
 (exp2, with log2(e) folded into the per-row score factor); LSE is stored in natural log.
 
-fp8: S = (q8 @ k8^T) * sq * sk * softmax_scale; P8 = e4m3(P * 256); O += (P8 @ v8) * sv / 256 with v8
-read from a (D, M) buffer (tokens contiguous) so the FP8 P @ V has a K-major B operand.
+fp8: S = (q8 @ k8^T) * sq * sk * softmax_scale; P8 = e4m3(P * 256); O += (P8 @ v8) * sv / 256 (the
+accumulator carries the running scale, so the MMA accumulates in place) with v8 read from a (D, M) buffer (tokens contiguous) so the FP8 P @ V has a K-major B operand.
 """
 
 import triton
@@ -73,7 +73,7 @@ def _key_ranges(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, win
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
+def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
                start_m, lo, hi, n, m, window,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
@@ -103,14 +103,17 @@ def _fwd_inner(acc, l_i, m_i, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8:
-            pv = tl.dot(to_fp8(p * 256.0, False, INTERP), v) * (tl.load(SV + start_n) / 256.0)
+            # acc is kept in units of the current tile's sv / 256 (c_acc) so the MMA accumulates straight
+            # into it: no second 128 x D fp32 tile of registers for the product (that spilled).
+            c = tl.load(SV + start_n) / 256.0
+            acc = tl.dot(to_fp8(p * 256.0, False, INTERP), v, acc * (alpha * (c_acc / c))[:, None])
+            c_acc = c
         elif INTERP:
-            pv = tl.dot(cast_to(p, V.dtype.element_ty, INTERP).to(tl.float32), v)
+            acc = tl.dot(cast_to(p, V.dtype.element_ty, INTERP).to(tl.float32), v, acc * alpha[:, None])
         else:
-            pv = tl.dot(p.to(V.dtype.element_ty), v)
-        acc = acc * alpha[:, None] + pv
+            acc = tl.dot(p.to(V.dtype.element_ty), v, acc * alpha[:, None])
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_i, m_i, c_acc
 
 
 @triton.jit
@@ -163,21 +166,22 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    c_acc = softmax_scale * 0.0 + 1.0  # (a runtime fp32 scalar) the scale acc is kept in (fp8: sv / 256 of the last key tile)
     lo, mid_lo, mid_hi, hi = _key_ranges(start_m, BLOCK_M, BLOCK_N, n, m, window, CAUSAL, HAS_WINDOW)
     if HAS_WINDOW:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
+        acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
                                    start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                                    DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
+    acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
                                start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                                DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
+    acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
                                start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                                DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP)
 
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc * (c_acc / l_safe)[:, None]
     lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     Ob = O + b64 * sob + h.to(tl.int64) * soh + q0.to(tl.int64) * son
     tl.store(Ob + offs_m[:, None] * son + offs_dv[None, :] * sod, cast_to(out, O.dtype.element_ty, INTERP),

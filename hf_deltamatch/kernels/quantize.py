@@ -87,3 +87,31 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
         num_warps=8 if D > 128 else 4,
     )
     return y, yt, scale
+
+
+@triton.jit
+def _token_major_kernel(X, Y, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
+                        D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Copy one (BLOCK_T, D) tile into token-major storage (the layout conversion goes through shared memory)."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < N) & (cols[None, :] < D)
+    x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
+                mask=mask)
+    tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + rows[:, None] * syn + cols[None, :] * syd,
+             x, mask=mask)
+
+
+def token_major(x8):
+    """(B, H, N, D) fp8 -> the same logical tensor stored (B, H, D, N) (tokens contiguous)."""
+    B, H, N, D = x8.shape
+    y = torch.empty((B, H, D, N), dtype=x8.dtype, device=x8.device).transpose(-1, -2)
+    if x8.numel():
+        _token_major_kernel[(triton.cdiv(N, 128), B * H)](
+            x8, y, *x8.stride(), *y.stride(), H, N, D=D, BLOCK_T=128, BLOCK_D=triton.next_power_of_2(D),
+            num_warps=4)
+    return y
