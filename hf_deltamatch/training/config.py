@@ -81,6 +81,7 @@ class TrainConfig:
     batch_size: int = 8  # packed sequences per device per micro-batch
     grad_accum: int = 1
     max_steps: int = 240
+    max_minutes: float = 0.0  # >0: stop (final eval + checkpoint + save) after this much training time
     mixed_precision: str = "bf16"  # bf16 autocast | no
     seed: int = 0
     # --- bookkeeping ---------------------------------------------------------------------------------
@@ -237,8 +238,8 @@ def validate(cfg: TrainConfig) -> None:
         err.append(f"--val_fraction must be in [0, 1), got {cfg.val_fraction}.")
     if cfg.lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
         err.append("--lr must be > 0 and --min_lr_ratio in [0, 1].")
-    if cfg.warmup_steps < 0 or cfg.loss_chunk < 0:
-        err.append("--warmup_steps and --loss_chunk must be >= 0.")
+    if cfg.warmup_steps < 0 or cfg.loss_chunk < 0 or cfg.max_minutes < 0:
+        err.append("--warmup_steps, --loss_chunk and --max_minutes must be >= 0.")
     if not (isinstance(cfg.adam_betas, (list, tuple)) and len(cfg.adam_betas) == 2):
         err.append(f"--adam_betas must be two numbers, e.g. '[0.9, 0.95]', got {cfg.adam_betas!r}.")
     if cfg.rope_scaling is not None and not isinstance(cfg.rope_scaling, dict):

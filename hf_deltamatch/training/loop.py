@@ -201,11 +201,11 @@ def train(cfg: TrainConfig) -> dict:
     loss_acc = torch.zeros((), device=accelerator.device)
     n_acc = 0
     last_val = None
-    stopped = False
+    stopped = time_limited = False
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     with _StopFlag() as stop:
-        while state.step < cfg.max_steps and not stopped:
+        while state.step < cfg.max_steps and not stopped and not time_limited:
             train_dl.set_epoch(state.epoch)
             skip = state.batches_in_epoch
             epoch_dl = accelerator.skip_first_batches(train_dl, skip) if skip else train_dl
@@ -260,7 +260,13 @@ def train(cfg: TrainConfig) -> dict:
                     loss_acc.zero_()
                     n_acc, tok_window, t_window = 0, 0, time.time()
 
-                if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps:
+                out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
+                if accelerator.num_processes > 1 and cfg.max_minutes > 0:  # ranks must agree on the last step
+                    out_of_time = accelerator.reduce(torch.tensor(float(out_of_time), device=accelerator.device),
+                                                     "sum").item() > 0
+                if out_of_time:
+                    time_limited = True
+                if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps or out_of_time:
                     last_val = evaluate()
                     if last_val is not None:
                         write({"kind": "eval", "step": state.step, "tokens": state.tokens, "val_loss": last_val})
@@ -271,13 +277,13 @@ def train(cfg: TrainConfig) -> dict:
                     flag = accelerator.reduce(torch.tensor(float(stop_now), device=accelerator.device), "sum")
                     stop_now = flag.item() > 0
                 state.elapsed = time.time() - t_start
-                if stop_now or state.step % cfg.save_every == 0 or state.step == cfg.max_steps:
+                if stop_now or out_of_time or state.step % cfg.save_every == 0 or state.step == cfg.max_steps:
                     ckpt = save_checkpoint()
                     if stop_now:
                         bar.write(f"stopped at step {state.step}; checkpoint {ckpt}; continue with --resume auto") \
                             if main else None
                         stopped = True
-                if stopped or state.step >= cfg.max_steps:
+                if stopped or out_of_time or state.step >= cfg.max_steps:
                     break
             else:
                 state.epoch += 1
@@ -293,7 +299,7 @@ def train(cfg: TrainConfig) -> dict:
     accelerator.wait_for_everyone()
     summary = {"name": cfg.name, "steps": state.step, "tokens": state.tokens, "elapsed_s": time.time() - t_start,
                "final_val_loss": last_val, "attn": cfg.attn, "precision": cfg.precision, "delta": cfg.delta,
-               "interrupted": stopped, "params": n_params, "trainable_params": n_train,
+               "interrupted": stopped, "time_limited": time_limited, "params": n_params, "trainable_params": n_train,
                "num_processes": accelerator.num_processes, "start_step": start_step}
     if main:
         records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]

@@ -16,7 +16,7 @@ from pathlib import Path
 def read_run(run_dir: str | Path) -> dict:
     p = Path(run_dir)
     path = p / "metrics.jsonl" if p.is_dir() else p
-    if not path.is_file():
+    if not path.is_file() or path.name != "metrics.jsonl":
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is it a run directory of recipes/pretrain.py?)")
     recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     summary = {}
@@ -83,10 +83,18 @@ def plot_runs(runs: list[dict], out: Path, smooth: float = 0.8, x: str = "tokens
     plt.close(fig)
 
 
+def _loss_at(train: list[dict], step: int, window: int = 5):
+    """Mean train loss over the last `window` records at or before `step` (runs stopped by a time limit end at
+    different steps; this compares them at the same one)."""
+    recs = [r["loss"] for r in train if r["step"] <= step and r.get("loss") is not None][-window:]
+    return sum(recs) / len(recs) if recs else None
+
+
 def table_markdown(runs: list[dict]) -> str:
+    common = min((r["train"][-1]["step"] for r in runs if r["train"]), default=0)
     rows = ["| run | attn | precision | delta | steps | tokens | first loss | final train loss | final val CE "
-            "| tokens/s | peak mem GiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"| train loss @ step {common} | tokens/s | peak mem GiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         s, tr, ev = run["summary"], run["train"], run["eval"]
 
@@ -94,12 +102,12 @@ def table_markdown(runs: list[dict]) -> str:
             return fmt.format(v) if isinstance(v, (int, float)) else "—"
 
         tps = [r["tokens_per_s"] for r in tr[1:]] or [r["tokens_per_s"] for r in tr]
-        rows.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+        rows.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
             run["name"], s.get("attn", "—"), s.get("precision", "—") if s.get("attn") == "deltamatch_fp8" else "—",
             s.get("delta", "—") if s.get("attn") == "deltamatch_fp8" else "—",
             tr[-1]["step"] if tr else "—", f(tr[-1]["tokens"] if tr else None, "{:,}"),
             f(tr[0]["loss"] if tr else None, "{:.4f}"), f(tr[-1]["loss"] if tr else None, "{:.4f}"),
-            f(ev[-1]["val_loss"] if ev else None, "{:.4f}"), f(sum(tps) / len(tps) if tps else None, "{:,.0f}"),
+            f(ev[-1]["val_loss"] if ev else None, "{:.4f}"), f(_loss_at(tr, common), "{:.4f}"), f(sum(tps) / len(tps) if tps else None, "{:,.0f}"),
             f(max((r["mem_gb"] for r in tr), default=None), "{:.1f}")))
     return "\n".join(rows) + "\n"
 
