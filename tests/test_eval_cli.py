@@ -127,6 +127,9 @@ def test_preflight_skips_ruler_tasks_whose_files_are_missing(monkeypatch, capsys
     assert "skipping RULER niah_single_2, niah_single_3, niah_multikey_1, niah_multivalue, niah_multiquery" in err
     assert "essay_path" in err and "squad_path" in err and "hotpotqa_path" in err
     assert "Nothing is downloaded" in err
+    # a RULER task asked for by name fails before anything is loaded, naming what is missing
+    with pytest.raises(SystemExit, match="cannot run ruler_dm_qa_1: .*squad_path"):
+        _expand_and_filter(["ruler_dm_qa_1"], {}, tm)
     all13 = _expand_and_filter(["ruler_dm"], {"essay_path": __file__, "squad_path": __file__,
                                               "hotpotqa_path": __file__}, tm)
     assert len(all13) == 13

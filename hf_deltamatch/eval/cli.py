@@ -57,6 +57,11 @@ def _expand_and_filter(tasks: list[str], meta: dict, task_manager) -> list[str]:
                 _say(commonsense.missing_message(missing))
             out += [c for c in commonsense.TASKS if c not in missing]
         else:
+            name = t.removeprefix(RC.LM_EVAL_PREFIX)
+            if t.startswith(RC.LM_EVAL_PREFIX) and name in RC.TASKS:
+                miss = missing_sources(RC.TASKS[name].needs, meta)
+                if miss:  # asked for by name: fail now, before any model is loaded
+                    raise SystemExit(f"hf-deltamatch eval: cannot run {t}: " + " ".join(miss))
             out.append(t)
     if (ruler_group or cs_group) and not out:
         raise SystemExit("hf-deltamatch eval: nothing left to run after the preflight above.")
@@ -169,6 +174,12 @@ def eval_main(argv: list[str]) -> int:
     meta = {**_as_dict(file_cfg.get("model_args")), **(args.model_args or {}),
             **_as_dict(file_cfg.get("metadata")), **(args.metadata or {})}
     args.tasks = _expand_and_filter(list(tasks), meta, TaskManager(include_path=args.include_path))
+    if any(t.startswith("ruler_dm_") for t in args.tasks) and "max_length" not in meta:
+        # HFLM would otherwise cut prompts to the model's default length (left truncation drops the
+        # start of the haystack); RULER prompts are sized to fit the longest requested length.
+        from .ruler.lm_eval_tasks import parse_lengths
+
+        args.model_args = {**(args.model_args or {}), "max_length": max(parse_lengths(meta.get("max_seq_lengths")))}
 
     captured: dict[str, Any] = {}
     original = lm_eval.simple_evaluate if "simple_evaluate" in vars(lm_eval) else None
@@ -182,8 +193,13 @@ def eval_main(argv: list[str]) -> int:
         return res
 
     lm_eval.simple_evaluate = simple_evaluate
+    from .ruler.sources import MissingSourceError
+
     try:
         args.func(args)
+    except MissingSourceError as e:
+        _say(str(e))
+        return 2
     finally:
         if original is None:
             del lm_eval.simple_evaluate

@@ -82,6 +82,7 @@ def _niah_builder(task: C.RulerTask, metadata: dict | None) -> tuple[Builder, in
     num_k = max(a["num_needle_k"], num_q)
     num_v = a["num_needle_v"]
     essay = load_essay_words(str(resolve_source("essay", metadata))) if hay == "essay" else None
+    warned = []
 
     def build(rng: random.Random, n: int, index: int) -> Sample:
         keys: list[str] = []
@@ -99,6 +100,10 @@ def _niah_builder(task: C.RulerTask, metadata: dict | None) -> tuple[Builder, in
 
         if hay == "essay":
             # Cycle a short essay file rather than fail; the real RULER corpus is long enough.
+            if n > len(essay) and not warned:
+                warned.append(True)
+                log.warning("essay haystack has %d words; repeating it to fill %d words (RULER's essay set "
+                            "is ~100K words)", len(essay), n)
             words = [essay[i % len(essay)] for i in range(n)]
             sents = split_sentences(" ".join(words))
             cuts = [0] + sorted(int(len(sents) * d / 100) for d in rng.sample(DEPTHS, len(needles))) + [len(sents)]
