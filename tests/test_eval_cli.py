@@ -152,3 +152,25 @@ def test_help_and_ls(capsys):
     assert eval_main(["ls", "groups"]) == 0
     out = capsys.readouterr().out
     assert "ruler_dm" in out and "commonsense_dm" in out
+
+
+def test_config_file_merges_with_command_line(tiny_model_dir, tmp_path, monkeypatch):
+    """A --config YAML's model_args/metadata are merged with the flags (lm-eval alone would drop the file's)."""
+    import lm_eval.evaluator
+
+    seen = {}
+
+    def fake_simple_evaluate(**kw):  # stop before any model work: we only check what lm-eval is handed
+        seen.update(kw)
+        return None
+
+    monkeypatch.setattr(lm_eval.evaluator, "simple_evaluate", fake_simple_evaluate)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tasks: ruler_dm_niah_single_1\nmodel_args:\n  dtype: float32\n"
+                   "metadata:\n  max_seq_lengths: [2048]\n  num_samples: 3\ndevice: cpu\n")
+    assert eval_main(["--config", str(cfg), "--model_args", f"pretrained={tiny_model_dir}",
+                      "--metadata", "seed=9"]) == 0
+    assert seen["model"] == "hf-deltamatch"
+    assert seen["model_args"] == {"dtype": "float32", "pretrained": str(tiny_model_dir), "max_length": 2048}
+    assert seen["metadata"]["max_seq_lengths"] == [2048] and seen["metadata"]["seed"] == 9
+    assert seen["tasks"] == ["ruler_dm_niah_single_1"]

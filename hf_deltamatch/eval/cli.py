@@ -169,10 +169,9 @@ def eval_main(argv: list[str]) -> int:
     # lm-eval replaces the file's dicts with the flag's; merge instead so a config file can hold
     # dtype/max_length/lengths while the command line adds pretrained= and local paths.
     for key in ("model_args", "metadata"):
-        if file_cfg.get(key) and getattr(args, key, None):
-            setattr(args, key, {**_as_dict(file_cfg[key]), **getattr(args, key)})
-    meta = {**_as_dict(file_cfg.get("model_args")), **(args.model_args or {}),
-            **_as_dict(file_cfg.get("metadata")), **(args.metadata or {})}
+        if file_cfg.get(key):
+            setattr(args, key, {**_as_dict(file_cfg[key]), **(getattr(args, key, None) or {})})
+    meta = {**(args.model_args or {}), **(args.metadata or {})}
     args.tasks = _expand_and_filter(list(tasks), meta, TaskManager(include_path=args.include_path))
     if any(t.startswith("ruler_dm_") for t in args.tasks) and "max_length" not in meta:
         # HFLM would otherwise cut prompts to the model's default length (left truncation drops the
