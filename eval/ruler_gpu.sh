@@ -18,7 +18,8 @@
 #   BATCH_SIZE      lm-eval batch size (default 8)
 #   DTYPE           model dtype (default bfloat16)
 #   DEVICE          default cuda:0
-#   LIMIT           lm-eval --limit (docs per task) for a quick smoke run
+#   LIMIT           lm-eval --limit (docs per task) for a quick smoke run; it takes the first docs, i.e. the
+#                   shortest length first, so pair it with NUM_SAMPLES (e.g. LIMIT=5 NUM_SAMPLES=5, one length)
 #   SEED            RULER generation seed (default 42)
 #   EXTRA           extra arguments passed to lm-eval verbatim
 set -euo pipefail
