@@ -87,7 +87,16 @@ def run_inprocess(cfg: dict) -> dict:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
-    return train(parse_config(to_argv(cfg)))
+    # the recipe sets HF_DELTAMATCH_* for its run; do not let that leak into later tests of this process
+    saved = {k: os.environ.get(k) for k in ("HF_DELTAMATCH_PRECISION", "HF_DELTAMATCH_DELTA")}
+    try:
+        return train(parse_config(to_argv(cfg)))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def env() -> dict:

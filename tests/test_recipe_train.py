@@ -69,17 +69,20 @@ def test_loss_falls_in_every_mode(attn, precision, delta, optimizer, corpus, run
         assert recs[-1][k] is not None
 
 
-def test_plot_compares_runs(runs_root, tmp_path):
+def test_plot_compares_runs(corpus, tmp_path):
     from hf_deltamatch.training.plot import plot_main
 
-    run_dirs = sorted(str(p) for p in runs_root.iterdir() if (p / "metrics.jsonl").is_file())
-    if not run_dirs:
-        pytest.skip("no runs from test_loss_falls_in_every_mode (run the module as a whole)")
+    run_dirs = []
+    for lr in (3e-3, 1e-3):
+        out = tmp_path / f"lr{lr}"
+        run_inprocess(tiny_args(tmp_path, corpus, lr=lr, max_steps=4, eval_every=2, output_dir=str(out)))
+        run_dirs.append(str(out))
     png, md = tmp_path / "cmp.png", tmp_path / "cmp.md"
     assert plot_main([*run_dirs, "-o", str(png), "--table", str(md)]) == 0
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     rows = [l for l in md.read_text().splitlines() if l.startswith("| ") and not l.startswith("| run")]
-    assert len(rows) == len(run_dirs)
+    assert [r.split("|")[1].strip() for r in rows] == ["lr0.003", "lr0.001"]
+    assert "train loss @ step 4" in md.read_text()
     assert plot_main([str(tmp_path / "nope")]) == 2
 
 
@@ -167,6 +170,23 @@ def test_lora_trains_only_adapters(corpus, tmp_path):
             assert torch.equal(v, init[ref_key]), f"base weight {k} changed"
     adapter = tmp_path / "run" / "final"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+
+
+def test_streaming_data_trains_and_resumes(corpus, tmp_path):
+    cfg = tiny_args(tmp_path, corpus, streaming=True, val_docs=8, shuffle_buffer=50, max_steps=6, save_every=3,
+                    eval_every=3)
+    s = run_inprocess(cfg)
+    recs = [r for r in metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert s["steps"] == 6 and recs[-1]["loss"] < recs[0]["loss"]
+    assert [r["step"] for r in metrics(tmp_path / "run") if r["kind"] == "eval"] == [3, 6]
+    # resume a streamed run: the stream is replayed and the consumed batches skipped
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "run" / "tokenizer", resumed / "tokenizer")
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_0000003", resumed / "checkpoints" / "step_0000003")
+    s2 = run_inprocess({**cfg, "output_dir": str(resumed), "resume": "auto"})
+    assert s2["start_step"] == 3
+    _same_checkpoint(tmp_path / "run" / "checkpoints" / "step_0000006", resumed / "checkpoints" / "step_0000006")
 
 
 def test_chunked_loss_equals_full_loss():

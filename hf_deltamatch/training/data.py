@@ -249,7 +249,9 @@ def pack_dataset(ds, tokenizer, cfg: TrainConfig, docs_per_map_batch: int = 1000
     if ds is None:
         return None
     fn = _TokenizeAndPack(tokenizer, cfg.seq_len)
-    cols = ds.column_names if ds.column_names is not None else None
+    cols = ds.column_names
+    if cols is None:  # a streamed dataset may not know its columns before reading
+        cols = list(next(iter(ds)).keys())
     if cfg.streaming:
         return ds.map(fn, batched=True, batch_size=docs_per_map_batch, remove_columns=cols)
     # An explicit fingerprint: datasets cannot hash a tokenizer reliably, and a cache miss re-tokenizes everything.

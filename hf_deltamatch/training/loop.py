@@ -131,18 +131,21 @@ def train(cfg: TrainConfig) -> dict:
         (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     # ---- model + optimizers ----------------------------------------------------------------------------
+    if cfg.optimizer == "muon" and accelerator.distributed_type.name == "FSDP":
+        raise ConfigError("--optimizer muon orthogonalizes whole weight matrices; FSDP shards them. Use DDP "
+                          "(recipes/configs/accelerate/ddp.yaml) or AdamW with FSDP.")
     model = build_model(cfg, tokenizer)
     wrapped = CausalLMWithLoss(model, cfg.loss_chunk)
     optimizers = build_optimizers(wrapped, cfg)
     schedulers = build_schedulers(optimizers, cfg)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    prepared = accelerator.prepare(wrapped, *optimizers, *schedulers, train_dl, *( [val_dl] if val_dl else []))
+    prepared = accelerator.prepare(wrapped, *optimizers, *schedulers, train_dl, *([val_dl] if val_dl is not None else []))
     wrapped = prepared[0]
     optimizers = list(prepared[1:1 + len(optimizers)])
     schedulers = list(prepared[1 + len(optimizers):1 + 2 * len(optimizers)])
     train_dl = prepared[1 + 2 * len(optimizers)]
-    val_dl = prepared[2 + 2 * len(optimizers)] if val_dl else None
+    val_dl = prepared[2 + 2 * len(optimizers)] if val_dl is not None else None
     state = TrainState()
     accelerator.register_for_checkpointing(state)
     if resume_dir is not None:
@@ -310,12 +313,16 @@ def train(cfg: TrainConfig) -> dict:
             tps = [r["tokens_per_s"] for r in train_recs[1:]] or [train_recs[0]["tokens_per_s"]]
             summary["tokens_per_s"] = sum(tps) / len(tps)
             summary["mem_gb"] = max(r["mem_gb"] for r in train_recs)
-        if cfg.save_final and not stopped:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if cfg.save_final and not stopped:
+        # get_state_dict is collective (FSDP gathers full weights); only the main process writes.
+        full = accelerator.get_state_dict(wrapped)
+        if main:
             final = out_dir / "final"
             inner = accelerator.unwrap_model(wrapped).model
-            inner.save_pretrained(str(final), state_dict=None)
+            sd = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+            inner.save_pretrained(str(final), state_dict=sd)  # a LoRA run saves just the adapter
             tokenizer.save_pretrained(str(final))
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     accelerator.end_training()
     return summary
 

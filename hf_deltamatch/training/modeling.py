@@ -242,7 +242,9 @@ class CausalLMWithLoss(nn.Module):
         self.model = model
         self.loss_chunk = loss_chunk
         lm = causal_lm(model)
-        self._no_split_modules = getattr(lm, "_no_split_modules", None)  # FSDP auto-wrap looks here
+        # FSDP auto-wrap reads _no_split_modules; keep only classes this model has (Qwen3.5 lists vision blocks).
+        present = {type(m).__name__ for m in lm.modules()}
+        self._no_split_modules = [n for n in (getattr(lm, "_no_split_modules", None) or []) if n in present]
 
     @property
     def lm(self):
