@@ -62,6 +62,7 @@ def test_card_parses_and_has_the_numbers(tmp_path, capsys):
     assert "| tokens seen | 81,920 |" in text and "| head_dim | 32 |" in text
     assert "![Training loss](loss_curve.png)" in text and (run / "final" / "loss_curve.png").stat().st_size > 1000
     assert "optimizer: adamw" in text and "me/tiny-dm" in text
+    assert "attention runs in\nfp8 with matching delta" in text
     assert "| **average** (2/13) | **67.50** | **60.50** |" in text
     assert "INCOMPLETE" not in text and "incomplete: 3/9" in text
 
@@ -90,3 +91,16 @@ def test_clear_errors(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert card_main([str(tmp_path / "empty")]) == 2
     assert "training run directory" in capsys.readouterr().err
+
+
+def test_card_of_a_baseline_run_says_so(tmp_path):
+    from huggingface_hub import ModelCard
+
+    run = A.write_run_dir(tmp_path / "run")
+    cfg = (run / "config.yaml").read_text().replace("attn: deltamatch_fp8", "attn: sdpa")
+    (run / "config.yaml").write_text(cfg)
+    assert card_main([str(run)]) == 0
+    text = ModelCard.load(run / "final" / "README.md").text
+    assert 'trained with `attn_implementation="sdpa"` (a baseline' in text
+    assert "| attn_implementation | sdpa |" in text and "| delta |" not in text
+    assert "No evaluation results were given." in text
