@@ -1,0 +1,174 @@
+"""hf_deltamatch.kernels against the reference backend (same contract), on the CPU under TRITON_INTERPRET=1
+(tests/conftest.py sets it before triton is imported) or on a GPU when there is one.
+
+Same contract => agreement to fp32 rounding plus rare FP8 rounding flips (docs/numerics.md): relative
+Frobenius error <= 1e-3 for out, dq, dk, dv; the quantized q8/k8/v8 and their scales bit-identical.
+Shapes are small (N <= 256): each interpreted launch costs ~0.1-0.5 s.
+"""
+
+import pytest
+import torch
+
+from hf_deltamatch import reference as R
+from hf_deltamatch.config import DeltaMatchConfig
+
+K = pytest.importorskip("hf_deltamatch.kernels")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# On a GPU the FP8 MMA accumulates with reduced precision (tests/test_kernels_gpu.py); the interpreter is exact.
+TOL = 1e-3 if DEV == "cpu" else 1e-2
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _run(B=1, Hq=2, Hkv=1, N=128, M=None, Dqk=64, Dv=None, causal=True, window=None, cu=None,
+         dtype=torch.bfloat16, seed=0, check_saved=True, **cfg):
+    M = M if M is not None else N
+    Dv = Dv or Dqk
+    config = DeltaMatchConfig(**cfg)
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    q, k, v, do = mk(B, Hq, N, Dqk), mk(B, Hkv, M, Dqk), mk(B, Hkv, M, Dv), mk(B, Hq, N, Dv)
+    cuq = cuk = None
+    if cu is not None:
+        cuq = torch.tensor(cu[0], dtype=torch.int32, device=DEV)
+        cuk = torch.tensor(cu[1], dtype=torch.int32, device=DEV)
+    kw = dict(causal=causal, softmax_scale=Dqk ** -0.5, window=window, cu_seqlens_q=cuq, cu_seqlens_k=cuk,
+              config=config)
+    assert K.supports(q, k, v, window, config) is None
+    fk = K.forward(q, k, v, **kw)
+    fr = R.forward(q, k, v, **kw)
+    assert fk[0].dtype == q.dtype and fk[0].shape == fr[0].shape
+    assert _rel(fk[0], fr[0]) <= TOL
+    fin = torch.isfinite(fr[1])
+    assert torch.equal(torch.isfinite(fk[1]), fin)
+    if fin.any():
+        assert (fk[1][fin] - fr[1][fin]).abs().max().item() <= (1e-4 if DEV == "cpu" else 1e-2)
+    if config.precision == "fp8" and check_saved:
+        toks = [slice(None)] if cu is None else [slice(a, b) for a, b in zip(cu[0][:-1], cu[0][1:])]
+        for t in toks:  # tokens outside every sequence are unspecified
+            assert torch.equal(fk[2][:, :, t].float(), fr[2][:, :, t].float())
+            assert torch.equal(fk[5][:, :, t], fr[5][:, :, t])
+        assert fk[4].shape == fr[4].shape and fk[4].stride() == fr[4].stride()
+    else:
+        for t in fk[2:]:
+            assert t.numel() == 0 or config.precision == "fp8"
+    # both backwards from the same saved tensors (the reference's)
+    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw, return_row_sums=True)
+    gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw, return_row_sums=True)
+    for name, a, b in zip(("dq", "dk", "dv"), gk, gr):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.isfinite(a).all()
+        assert _rel(a, b) <= TOL, (name, _rel(a, b))
+    # the invariant sum_j dS_ij = 0 before quantization (row sums relative to |dS| row sums)
+    rs, ra = gk[3], gk[4]
+    assert _rel(ra, gr[4]) <= TOL
+    resid = (rs.norm() / ra.norm().clamp_min(1e-30)).item()
+    return resid
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_dense(causal, precision):
+    _run(N=192, causal=causal, precision=precision)
+
+
+@pytest.mark.parametrize("N,M", [(100, 230), (230, 100), (1, 130), (129, 129)])
+def test_causal_bottom_right_and_tails(N, M):
+    """N < M (bottom-right aligned), N > M (leading rows see no key: zeros, -inf LSE), ragged tails."""
+    _run(N=N, M=M, causal=True)
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_sliding_window(block):
+    _run(N=256, window=50, block=block)
+
+
+def test_window_bf16_fp16_inputs():
+    _run(N=200, M=220, window=70, precision="bf16", dtype=torch.float16)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (4, 1)])
+def test_gqa_mqa(Hq, Hkv):
+    _run(Hq=Hq, Hkv=Hkv, N=130, Dqk=32)
+
+
+def test_dqk_ne_dv():
+    _run(N=80, Dqk=48, Dv=32)  # padded to 64/32 inside
+
+
+def test_mla_192_128():
+    _run(N=64, Hq=1, Dqk=192, Dv=128, causal=True)
+
+
+def test_head_dim_128_block64_fp16():
+    _run(N=130, Dqk=128, block=64, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_varlen(precision):
+    cu = [0, 70, 71, 200, 260]
+    _run(N=260, cu=(cu, cu), Hq=2, Hkv=1, precision=precision)
+
+
+def test_varlen_window_distinct_k_lengths():
+    _run(N=200, M=240, cu=([0, 60, 200], [0, 100, 240]), window=40, block=64)
+
+
+def test_stale_and_invariant():
+    """Matching keeps sum_j dS_ij at fp32 rounding; stale does not."""
+    kw = dict(N=192, causal=True, seed=3)
+    matching = _run(delta="matching", **kw)
+    stale = _run(delta="stale", **kw)
+    assert matching <= 1e-5
+    assert stale > 10 * matching
+
+
+def test_stale_bf16():
+    _run(N=100, causal=False, delta="stale", precision="bf16")
+
+
+def test_e5m2_pow2():
+    _run(N=160, grad_format="e5m2", scale_rounding="pow2")
+
+
+def test_deterministic_flag():
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 96, 32).to(torch.bfloat16).to(DEV) for _ in range(4))
+    outs = []
+    for det in (False, True, True):
+        cfg = DeltaMatchConfig(deterministic=det)
+        kw = dict(causal=True, softmax_scale=32 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=cfg)
+        f = K.forward(q, k, v, **kw)
+        outs.append(K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
+    for a, b in zip(outs[1], outs[2]):
+        assert torch.equal(a, b)
+
+
+def test_non_contiguous_inputs():
+    """(B, H, S, D) views of (B, S, H, D) tensors, as transformers passes them."""
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randn(2, 96, 2, 32, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4)]
+    q, k, v, do = (t.transpose(1, 2) for t in base)
+    cfg = DeltaMatchConfig()
+    kw = dict(causal=True, softmax_scale=32 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None, config=cfg)
+    fk, fr = K.forward(q, k, v, **kw), R.forward(q, k, v, **kw)
+    assert _rel(fk[0], fr[0]) <= TOL
+    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    for a, b in zip(gk, gr):
+        assert _rel(a, b) <= TOL
+
+
+def test_supports_reasons():
+    cfg = DeltaMatchConfig()
+    mk = lambda *s, dt=torch.bfloat16: torch.zeros(*s, dtype=dt, device=DEV)  # noqa: E731
+    assert K.supports(mk(1, 2, 8, 64), mk(1, 1, 8, 64), mk(1, 1, 8, 64), None, cfg) is None
+    assert "head dim" in K.supports(mk(1, 2, 8, 72), mk(1, 1, 8, 72), mk(1, 1, 8, 72), None, cfg)
+    assert "head dim" in K.supports(mk(1, 2, 8, 512), mk(1, 1, 8, 512), mk(1, 1, 8, 512), None, cfg)
+    assert "float16" in K.supports(mk(1, 2, 8, 64, dt=torch.float32), mk(1, 1, 8, 64, dt=torch.float32),
+                                   mk(1, 1, 8, 64, dt=torch.float32), None, cfg)
+    assert "multiple" in K.supports(mk(1, 3, 8, 64), mk(1, 2, 8, 64), mk(1, 2, 8, 64), None, cfg)
