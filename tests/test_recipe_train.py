@@ -295,3 +295,27 @@ def test_embedded_default_runs(tmp_path):
     assert len(recs) == 5 and recs[-1]["loss"] < recs[0]["loss"]
     s = json.loads((out / "summary.json").read_text())
     assert s["attn"] == "deltamatch_fp8" or not _deltamatch_ready()
+
+
+def test_context_extension_stage(corpus, tmp_path):
+    """recipes/context_extension.py from a pretrained tiny checkpoint: RoPE base change, longer packed
+    sequences, activation checkpointing and chunked loss; the saved model carries the new RoPE config."""
+    base = tmp_path / "base"
+    run_inprocess(tiny_args(tmp_path, corpus, max_steps=3, eval_every=3, output_dir=str(base)))
+    out = tmp_path / "ext"
+    r = run_script(["recipes/context_extension.py", "--model", str(base / "final"), "--data", str(corpus),
+                    "--output_dir", str(out), "--seq_len", "512", "--max_position_embeddings", "512",
+                    "--loss_chunk", "100", "--max_steps", "2", "--eval_every", "2", "--eval_batches", "1",
+                    "--log_every", "1", "--attn", "sdpa"], timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    import yaml
+
+    used = yaml.safe_load((out / "config.yaml").read_text())
+    assert used["gradient_checkpointing"] and used["rope_theta"] == 1e6 and used["seq_len"] == 512
+    saved = json.loads((out / "final" / "config.json").read_text())
+    rope = saved.get("rope_parameters") or {}
+    assert rope.get("rope_theta") == 1e6 and saved["max_position_embeddings"] == 512
+    recs = [x for x in metrics(out) if x["kind"] == "train"]
+    assert len(recs) == 2 and all(torch.isfinite(torch.tensor(x["loss"])) for x in recs)
+    # it continued from the checkpoint: the loss starts near where pretraining ended, not at ln(vocab)
+    assert recs[0]["loss"] < torch.log(torch.tensor(320.0)).item() - 0.3
