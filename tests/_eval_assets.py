@@ -148,3 +148,30 @@ def write_run_dir(run_dir: Path, model_src: Path | None = None) -> Path:
             "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 8192,
             "max_position_embeddings": 8192}))
     return run_dir
+
+
+def fake_cached_hub_dataset(cache_dir: Path, repo: str, config: str, splits: dict[str, list[dict]]) -> None:
+    """Put a dataset into a `datasets` cache as if `load_dataset(repo, config)` had run online, so offline
+    loading finds it ("Using the latest cached version..."). Built from local rows; nothing is fetched."""
+    import shutil
+
+    import datasets
+
+    work = cache_dir / "_build"
+    files = {}
+    for split, rows in splits.items():
+        files[split] = str(work / f"{split}.parquet")
+        work.mkdir(parents=True, exist_ok=True)
+        datasets.Dataset.from_list(rows).to_parquet(files[split])
+    builder = datasets.load_dataset_builder("parquet", data_files=files, cache_dir=str(work / "cache"))
+    builder.download_and_prepare()
+    src = Path(builder.cache_dir)
+    namespace, name = repo.split("/")
+    dst = cache_dir / f"{namespace}___{name}" / config / src.parts[-2] / src.parts[-1]
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for f in dst.glob("parquet-*.arrow"):  # arrow files are named after the builder
+        f.rename(f.with_name(f.name.replace("parquet-", f"{name}-", 1)))
+    info = json.loads((dst / "dataset_info.json").read_text())
+    info.update(config_name=config, dataset_name=name, builder_name=name)
+    (dst / "dataset_info.json").write_text(json.dumps(info))
+    shutil.rmtree(work)

@@ -69,3 +69,42 @@ def test_average_hand_computed():
     full = {"results": {t: {f"{m},none": 0.5} for t, m in commonsense.METRICS.items()}}
     assert commonsense.summarize(full)["complete"] and commonsense.summarize(full)["average"] == 50.0
     assert commonsense.summarize({"results": {}}) is None
+
+
+def test_runs_from_the_local_cache(tmp_path, monkeypatch, capsys):
+    """With one of the nine datasets cached, the preset runs it through deltamatch_fp8, names the other eight,
+    and reports an average marked incomplete."""
+    import json
+
+    import datasets.config
+
+    import _eval_assets as A
+    from _eval_fixtures import _assets_root
+    from hf_deltamatch.eval.cli import eval_main
+
+    cache = tmp_path / "datasets"
+    rows = [{"id": f"q{i}", "question": f"Which one is hot, number {i}?",
+             "choices": {"text": ["fire", "ice", "snow"], "label": ["A", "B", "C"]}, "answerKey": "A"}
+            for i in range(3)]
+    A.fake_cached_hub_dataset(cache, "allenai/ai2_arc", "ARC-Easy", {"train": rows, "validation": rows, "test": rows})
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    out = tmp_path / "out"
+    model = _assets_root() / "tiny-llama"
+    assert eval_main(["--model_args", f"pretrained={model},dtype=float32", "--device", "cpu",
+                      "--tasks", "commonsense_dm", "--output_path", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "commonsense preset: 8 of 9 datasets" in captured.err and "arc_easy" not in captured.err.split(
+        "datasets are not in")[1].split("Fill the cache")[0]
+    res = json.loads(next(out.rglob("results_*.json")).read_text())
+    acc = res["results"]["arc_easy"]["acc,none"]
+    assert res["n-samples"]["arc_easy"]["effective"] == 3
+    cs = res["deltamatch"]["commonsense"]
+    assert cs["tasks"] == {"arc_easy": {"metric": "acc", "value": round(100 * acc, 2)}}
+    assert cs["num_tasks"] == 1 and not cs["complete"] and len(cs["missing_tasks"]) == 8
+    assert "INCOMPLETE: 1/9" in captured.out

@@ -86,8 +86,12 @@ def missing_datasets(tasks: list[str] | None = None, task_manager=None) -> dict[
 
 
 def missing_message(missing: dict[str, str]) -> str:
+    import datasets.config
+    from huggingface_hub import constants
+
     lines = [f"commonsense preset: {len(missing)} of {len(TASKS)} datasets are not in the local Hugging Face "
-             f"cache ({os.environ.get('HF_HOME') or '~/.cache/huggingface'}); nothing is downloaded:"]
+             f"cache (datasets: {datasets.config.HF_DATASETS_CACHE}, hub: {constants.HF_HUB_CACHE}); "
+             "nothing is downloaded:"]
     lines += [f"  - {t}: {why}" for t, why in missing.items()]
     lines.append("Fill the cache on a machine with network access, e.g. `python -c \"import datasets; "
                  "datasets.load_dataset('allenai/ai2_arc', 'ARC-Easy')\"` for each dataset above, then copy "
