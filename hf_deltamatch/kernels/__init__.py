@@ -27,7 +27,7 @@ DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.D
 
 
 # Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py): {"fwd": (BLOCK_M, warps, stages),
-# "dq": (warps, stages), "dkdv": (warps, stages)}. Empty in normal use.
+# "dq": (BLOCK_M, warps, stages), "dkdv": (warps, stages)}. Empty in normal use.
 TUNE: dict = {}
 
 
@@ -42,13 +42,13 @@ def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
 
 
 def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
-    """(dq warps, dq stages, dkdv warps, dkdv stages)."""
+    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages)."""
     d = max(dqk, dv)
-    if d <= 128:  # dq with 8 warps splits N across warpgroups (64x64 MMAs): 1.8x slower; dkdv stages 3 > 2
-        base = (4, 2, 8, 3)
+    if d <= 128:  # dq: 128 rows = 2 dS tiles, 2 warpgroups x 64 rows (64 rows with 8 warps split N: 1.8x slower)
+        base = (128, 8, 2, 8, 3)
     else:
-        base = (8, 1, 16, 1)
-    return (*TUNE.get("dq", base[:2]), *TUNE.get("dkdv", base[2:]))
+        base = (64, 8, 1, 16, 1)
+    return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]))
 
 
 def supports(q, k, v, window, config) -> str | None:
@@ -181,7 +181,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         do8t = q8t = k8t = None
         doa = do
         sq = sk = sv = sdo = delta  # unused
-    dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8)
+    dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8)
     common = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
                   CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
@@ -189,14 +189,14 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     win = int(window) if window is not None else 0
     if N > 0 and max_n > 0:
         o_arg = out if stale else do
-        grid = (triton.cdiv(max_n, DS_TILE_Q), B * Hq, nseq)
+        grid = (triton.cdiv(max_n, dq_m), B * Hq, nseq)
         _bwd_dq_kernel[grid](
             qs, ks, k8t if fp8 else ks, vs, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, rs, ra,
             cu_seqlens_q, cu_seqlens_k,
             *qs.stride(), *ks.stride(), *_s4(k8t if fp8 else ks), *vs.stride(), *doa.stride(), *do.stride(),
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums,
+            GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
             num_warps=dq_w, num_stages=dq_s, **common,
         )
     if M > 0 and max_m > 0:

@@ -1,6 +1,7 @@
 """Backward: the correction pass + dQ (query-major) and dK/dV (key-major), no atomics.
 
-Kernel 1, `_bwd_dq_kernel`, one program per 64-row query tile (= the dS tile height, DS_TILE_Q):
+Kernel 1, `_bwd_dq_kernel`, one program per BLOCK_M-row query block (64 or 128 = one or two dS tiles of
+DS_TILE_Q = 64 rows, each with its own scale):
   pass 1 (delta="matching", the correction pass): over the visible key tiles recompute S from q8/k8,
           P = exp(S - LSE) in fp32, dP = (dO8 @ v8^T) * sdo * sv in fp32, delta += rowsum(P * dP).
           (delta="stale": delta = rowsum(dO * O) from the high-precision dO and out instead.)
@@ -28,7 +29,8 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
-              FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr):
+              FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
+              DS_Q: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -44,10 +46,10 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
         qk = tl.dot(q, tl.trans(k))
         dp = tl.dot(do, tl.trans(v))
         if FP8:
-            s = qk * (row_f * tl.load(SK + start_n))
-            dp = dp * (dp_f * tl.load(SV + start_n))
+            s = qk * (row_f * tl.load(SK + start_n))[:, None]
+            dp = dp * (dp_f * tl.load(SV + start_n))[:, None]
         else:
-            s = qk * row_f
+            s = qk * row_f[:, None]
         if MASK:
             s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
@@ -59,12 +61,18 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                 rs += tl.sum(ds, 1)
                 ra += tl.sum(tl.abs(ds), 1)
             if FP8:
-                sds = tile_scale(tl.max(tl.max(tl.abs(ds), 1), 0), FMAX, POW2)
-                ds8 = to_fp8(ds / sds, E5M2, INTERP)
+                # one dynamic scale per dS tile of DS_Q rows x BLOCK_N keys (BLOCK_M holds 1 or 2 of them)
+                amax = tl.max(tl.abs(ds), 1)
+                if BLOCK_M == DS_Q:
+                    sds = tl.zeros([BLOCK_M], tl.float32) + tile_scale(tl.max(amax, 0), FMAX, POW2)
+                else:
+                    sub = tile_scale(tl.max(tl.reshape(amax, (BLOCK_M // DS_Q, DS_Q)), 1), FMAX, POW2)
+                    sds = tl.reshape(tl.broadcast_to(sub[:, None], (BLOCK_M // DS_Q, DS_Q)), (BLOCK_M,))
+                ds8 = to_fp8(ds / sds[:, None], E5M2, INTERP)
                 kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
                               MASK, BLOCK_DQK != DQK)
                 c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
-                dq = tl.dot(ds8, kt, dq * (c_dq / c))
+                dq = tl.dot(ds8, kt, dq * (c_dq / c)[:, None])
                 c_dq = c
             elif INTERP:
                 dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(tl.float32), k, dq)
@@ -83,7 +91,7 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, DS_Q: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -127,16 +135,14 @@ def _bwd_dq_kernel(
     # -inf LSE (no visible key) or a row past the end: +inf makes P = exp2(S - inf) = 0 without NaN
     lse = tl.load(LSE + row0 + offs_m, mask=rmask, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    row_f = softmax_scale * 1.4426950408889634
-    dp_f = 1.0
+    row_f = tl.zeros([BLOCK_M], tl.float32) + softmax_scale * 1.4426950408889634
+    dp_f = tl.zeros([BLOCK_M], tl.float32) + 1.0
     if FP8:
-        # a 64-row tile lies inside one quantization tile (block is 64 or 128): scalar scales
-        sq_t = tl.load(SQ + row0 + start_m, mask=start_m < n, other=1.0)
-        row_f = row_f * sq_t
-        dp_f = tl.load(SDO + row0 + start_m, mask=start_m < n, other=1.0)
+        row_f = row_f * tl.load(SQ + row0 + offs_m, mask=rmask, other=1.0)
+        dp_f = tl.load(SDO + row0 + offs_m, mask=rmask, other=1.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
-    c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (fp8: sds * sk of the last key tile)
+    c_dq = tl.zeros([BLOCK_M], tl.float32) + 1.0  # dq rows are kept in units of c_dq (fp8: last sds * sk)
     delta = tl.zeros([BLOCK_M], tl.float32)
     rs = tl.zeros([BLOCK_M], tl.float32)
     ra = tl.zeros([BLOCK_M], tl.float32)
@@ -152,29 +158,29 @@ def _bwd_dq_kernel(
             dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                           skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
                                           BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                          HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+                                          HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
         dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                       skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
                                       BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
-                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
         dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                       skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
                                       BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
     if HAS_WINDOW:
         dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                       skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
                                       BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                      HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+                                      HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
     dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                   skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
                                   BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
-                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
+                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
     dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                   skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
                                   BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP)
-    dq = dq * (c_dq * softmax_scale)
+                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
+    dq = dq * (c_dq * softmax_scale)[:, None]
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DELTA + row0 + offs_m, delta, mask=rmask)
