@@ -183,3 +183,13 @@ def test_parse_lengths():
     assert parse_lengths("[1024, 2048]") == [1024, 2048]
     assert parse_lengths("4K,128K") == [4096, 131072]
     assert parse_lengths(8192) == [8192]
+
+
+def test_sentence_split_keeps_text_and_quotes():
+    from hf_deltamatch.eval.ruler.sources import split_sentences
+
+    text = 'He said "stop." Then he left. Is it 3 p.m. now? Yes! In 1999 (or so.) It rained. e.g. this'
+    parts = split_sentences(text)
+    assert parts == ['He said "stop."', "Then he left.", "Is it 3 p.m. now?", "Yes!", "In 1999 (or so.)",
+                     "It rained. e.g. this"]
+    assert " ".join(parts) == text

@@ -143,17 +143,24 @@ def load_essay_words(path: str) -> tuple[str, ...]:
     return tuple(words)
 
 
-_SENT_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
+# A sentence ends at . ! or ? (plus closing quotes/brackets) before whitespace and a capital or digit.
+_SENT_END = re.compile(r"[.!?][\"'\u201d\u2019)\]]*(?=\s+[\"'\u201c\u2018(\[]?[A-Z0-9])")
 
 
 def split_sentences(text: str) -> list[str]:
     """Sentence split used to place needles at sentence boundaries.
 
-    RULER uses NLTK's punkt model, which needs a data download; this regex splitter
-    (terminal punctuation followed by a capital/digit) needs nothing and only decides
-    *where* needles may go, not what the haystack contains.
+    RULER uses NLTK's punkt model, which needs a data download; this rule-based splitter needs
+    nothing and only decides *where* needles may go, not what the haystack contains. Joining
+    the pieces with single spaces gives back the (whitespace-normalised) text.
     """
-    return [s for s in _SENT_END.split(text.strip()) if s]
+    text = text.strip()
+    out, start = [], 0
+    for m in _SENT_END.finditer(text):
+        out.append(text[start:m.end()].strip())
+        start = m.end()
+    out.append(text[start:].strip())
+    return [s for s in out if s]
 
 
 # --------------------------------------------------------------------------- QA sets
