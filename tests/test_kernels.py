@@ -172,3 +172,13 @@ def test_supports_reasons():
     assert "float16" in K.supports(mk(1, 2, 8, 64, dt=torch.float32), mk(1, 1, 8, 64, dt=torch.float32),
                                    mk(1, 1, 8, 64, dt=torch.float32), None, cfg)
     assert "multiple" in K.supports(mk(1, 3, 8, 64), mk(1, 2, 8, 64), mk(1, 2, 8, 64), None, cfg)
+
+
+def test_dq_block_of_two_ds_tiles():
+    """The dQ/correction kernel over 128-row blocks (two 64-row dS tiles, one scale each): a tuning option."""
+    K.TUNE["dq"] = (128, 8, 2)
+    try:
+        _run(N=200, M=230, block=64)
+        _run(N=150, causal=False)
+    finally:
+        K.TUNE.clear()

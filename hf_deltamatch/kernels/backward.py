@@ -24,13 +24,22 @@ from .forward import _key_ranges, _load_2d, _visible
 
 
 @triton.jit
+def _rows(x, SCALAR: tl.constexpr):
+    """A per-row factor as a multiplier of a (rows, cols) tile: itself if scalar, else x[:, None]."""
+    if SCALAR:
+        return x
+    else:
+        return x[:, None]
+
+
+@triton.jit
 def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
               start_m, lo, hi, n, m, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
               FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-              DS_Q: tl.constexpr):
+              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -45,11 +54,13 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))
         dp = tl.dot(do, tl.trans(v))
+        # ONE_TILE (BLOCK_M == DS_Q): row_f, dp_f, c_dq are scalars (one quantization tile holds the
+        # block's rows); otherwise per-row vectors. Scalars keep the 64-row kernel's registers low.
         if FP8:
-            s = qk * (row_f * tl.load(SK + start_n))[:, None]
-            dp = dp * (dp_f * tl.load(SV + start_n))[:, None]
+            s = qk * _rows(row_f * tl.load(SK + start_n), ONE_TILE)
+            dp = dp * _rows(dp_f * tl.load(SV + start_n), ONE_TILE)
         else:
-            s = qk * row_f[:, None]
+            s = qk * _rows(row_f, ONE_TILE)
         if MASK:
             s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
@@ -63,16 +74,16 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
             if FP8:
                 # one dynamic scale per dS tile of DS_Q rows x BLOCK_N keys (BLOCK_M holds 1 or 2 of them)
                 amax = tl.max(tl.abs(ds), 1)
-                if BLOCK_M == DS_Q:
-                    sds = tl.zeros([BLOCK_M], tl.float32) + tile_scale(tl.max(amax, 0), FMAX, POW2)
+                if ONE_TILE:
+                    sds = tile_scale(tl.max(amax, 0), FMAX, POW2)
                 else:
                     sub = tile_scale(tl.max(tl.reshape(amax, (BLOCK_M // DS_Q, DS_Q)), 1), FMAX, POW2)
                     sds = tl.reshape(tl.broadcast_to(sub[:, None], (BLOCK_M // DS_Q, DS_Q)), (BLOCK_M,))
-                ds8 = to_fp8(ds / sds[:, None], E5M2, INTERP)
+                ds8 = to_fp8(ds / _rows(sds, ONE_TILE), E5M2, INTERP)
                 kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
                               MASK, BLOCK_DQK != DQK)
                 c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
-                dq = tl.dot(ds8, kt, dq * (c_dq / c)[:, None])
+                dq = tl.dot(ds8, kt, dq * _rows(c_dq / c, ONE_TILE))
                 c_dq = c
             elif INTERP:
                 dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(tl.float32), k, dq)
@@ -91,7 +102,7 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
-    INTERP: tl.constexpr, DS_Q: tl.constexpr,
+    INTERP: tl.constexpr, DS_Q: tl.constexpr, ONE_TILE: tl.constexpr,  # ONE_TILE: BLOCK_M == DS_Q
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -135,14 +146,22 @@ def _bwd_dq_kernel(
     # -inf LSE (no visible key) or a row past the end: +inf makes P = exp2(S - inf) = 0 without NaN
     lse = tl.load(LSE + row0 + offs_m, mask=rmask, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    row_f = tl.zeros([BLOCK_M], tl.float32) + softmax_scale * 1.4426950408889634
-    dp_f = tl.zeros([BLOCK_M], tl.float32) + 1.0
-    if FP8:
-        row_f = row_f * tl.load(SQ + row0 + offs_m, mask=rmask, other=1.0)
-        dp_f = tl.load(SDO + row0 + offs_m, mask=rmask, other=1.0)
+    if ONE_TILE:  # the 64-row block lies inside one quantization tile (block 64 or 128): scalar scales
+        row_f = softmax_scale * 1.4426950408889634
+        dp_f = softmax_scale * 0.0 + 1.0
+        c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (fp8: sds * sk of the last key tile)
+        if FP8:
+            row_f = row_f * tl.load(SQ + row0 + start_m, mask=start_m < n, other=1.0)
+            dp_f = tl.load(SDO + row0 + start_m, mask=start_m < n, other=1.0)
+    else:
+        row_f = tl.zeros([BLOCK_M], tl.float32) + softmax_scale * 1.4426950408889634
+        dp_f = tl.zeros([BLOCK_M], tl.float32) + 1.0
+        c_dq = tl.zeros([BLOCK_M], tl.float32) + 1.0  # per row: two dS tiles, two scales
+        if FP8:
+            row_f = row_f * tl.load(SQ + row0 + offs_m, mask=rmask, other=1.0)
+            dp_f = tl.load(SDO + row0 + offs_m, mask=rmask, other=1.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
-    c_dq = tl.zeros([BLOCK_M], tl.float32) + 1.0  # dq rows are kept in units of c_dq (fp8: last sds * sk)
     delta = tl.zeros([BLOCK_M], tl.float32)
     rs = tl.zeros([BLOCK_M], tl.float32)
     ra = tl.zeros([BLOCK_M], tl.float32)
@@ -158,29 +177,29 @@ def _bwd_dq_kernel(
             dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                           skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
                                           BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                          HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
+                                          HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
         dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                       skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
                                       BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
-                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
+                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
         dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                       skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
                                       BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
+                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
     if HAS_WINDOW:
         dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                       skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
                                       BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                      HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
+                                      HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
     dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                   skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
                                   BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
-                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
+                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
     dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
                                   skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
                                   BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q)
-    dq = dq * (c_dq * softmax_scale)[:, None]
+                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+    dq = dq * _rows(c_dq * softmax_scale, ONE_TILE)
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DELTA + row0 + offs_m, delta, mask=rmask)
