@@ -171,14 +171,14 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
 
     if B * Hq == 0 or nseq == 0 or (N == 0 and M == 0):
         return _ret()
+    # Token-major copies are made right before the kernel that reads them and dropped after it, so at most
+    # three 1-byte copies are alive at once (k8t for the dQ kernel; q8t and do8t for the dK/dV kernel).
+    k8t = q8t = do8t = None
     if fp8:
-        do8, do8t, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
-                                  transposed=True)
-        q8t, k8t = token_major(q8), token_major(k8)
+        do8, _, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n)
         sq, sk, sv = q_scale, k_scale, v_scale
         doa = do8
     else:
-        do8t = q8t = k8t = None
         doa = do
         sq = sk = sv = sdo = delta  # unused
     dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8)
@@ -188,6 +188,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
     if N > 0 and max_n > 0:
+        if fp8:
+            k8t = token_major(k8)
         o_arg = out if stale else do
         grid = (triton.cdiv(max_n, dq_m), B * Hq, nseq)
         _bwd_dq_kernel[grid](
@@ -200,7 +202,10 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             ONE_TILE=dq_m == DS_TILE_Q,
             num_warps=dq_w, num_stages=dq_s, **common,
         )
+    k8t = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
     if M > 0 and max_m > 0:
+        if fp8:
+            q8t, do8t = token_major(q8), token_major(do8)
         grid = (triton.cdiv(max_m, T), B * Hkv, nseq)
         _bwd_dkdv_kernel[grid](
             qs, q8t if fp8 else qs, ks, vs, doa, do8t if fp8 else doa, sq, sk, sv, sdo, lse, delta, dk, dv_,
