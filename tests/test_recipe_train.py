@@ -319,3 +319,12 @@ def test_context_extension_stage(corpus, tmp_path):
     assert len(recs) == 2 and all(torch.isfinite(torch.tensor(x["loss"])) for x in recs)
     # it continued from the checkpoint: the loss starts near where pretraining ended, not at ln(vocab)
     assert recs[0]["loss"] < torch.log(torch.tensor(320.0)).item() - 0.3
+
+
+def test_max_minutes_stops_cleanly(corpus, tmp_path):
+    s = run_inprocess(tiny_args(tmp_path, corpus, max_minutes=1e-4, log_every=5, eval_every=5))
+    assert s["time_limited"] and not s["interrupted"] and s["steps"] == 1
+    kinds = [(r["kind"], r["step"]) for r in metrics(tmp_path / "run")]
+    assert kinds == [("train", 1), ("eval", 1)]  # logged and evaluated at the stop even off-schedule
+    assert (tmp_path / "run" / "checkpoints" / "step_0000001" / "DONE").is_file()
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

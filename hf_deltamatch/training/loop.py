@@ -85,6 +85,16 @@ def _hparams(cfg: TrainConfig) -> dict:
 
 def train(cfg: TrainConfig) -> dict:
     """Run one recipe end to end; returns the summary also written to output_dir/summary.json."""
+    threads = torch.get_num_threads()
+    if cfg.cpu_threads > 0 and not torch.cuda.is_available():
+        torch.set_num_threads(cfg.cpu_threads)
+    try:
+        return _train(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg: TrainConfig) -> dict:
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
@@ -239,7 +249,14 @@ def train(cfg: TrainConfig) -> dict:
                 state.micro += cfg.grad_accum
                 bar.update(1)
 
-                if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+                out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
+                if accelerator.num_processes > 1 and cfg.max_minutes > 0:  # ranks must agree on the last step
+                    out_of_time = accelerator.reduce(torch.tensor(float(out_of_time), device=accelerator.device),
+                                                     "sum").item() > 0
+                if out_of_time:
+                    time_limited = True
+
+                if state.step % cfg.log_every == 0 or state.step == cfg.max_steps or out_of_time:
                     stats = accelerator.reduce(torch.stack([loss_acc / max(n_acc, 1),
                                                             torch.tensor(float(tok_window), device=loss_acc.device)]),
                                                reduction="sum")
@@ -263,12 +280,6 @@ def train(cfg: TrainConfig) -> dict:
                     loss_acc.zero_()
                     n_acc, tok_window, t_window = 0, 0, time.time()
 
-                out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
-                if accelerator.num_processes > 1 and cfg.max_minutes > 0:  # ranks must agree on the last step
-                    out_of_time = accelerator.reduce(torch.tensor(float(out_of_time), device=accelerator.device),
-                                                     "sum").item() > 0
-                if out_of_time:
-                    time_limited = True
                 if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps or out_of_time:
                     last_val = evaluate()
                     if last_val is not None:
