@@ -107,3 +107,15 @@ def test_packed_kwargs_reach_the_attention_function():
         CausalLMWithLoss(model)(**batch)
     assert seen, "the attention function was never called"
     assert seen[0]["cu_seq_lens_q"].tolist() == [0, 7, 20] and seen[0]["max_length_k"] == 13
+
+
+def test_linear_attention_boundaries_from_position_ids_alone():
+    """Transformers versions that do not forward cu_seq_lens to Gated DeltaNet: position_ids resets suffice."""
+    model = _model("sdpa")
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 97, (n,), generator=g) for n in (23, 41)]
+    batch = PackedCollator()([{"input_ids": torch.cat(docs).tolist(), "doc_lens": [23, 41]}])
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)

@@ -151,28 +151,53 @@ def keep_linear_attention_documents_apart(model: nn.Module, force: bool = False)
     fallback cannot (transformers 5.2x refuses it; older versions silently mixed documents through the
     recurrent state and the short conv). Here such a layer runs once per document piece of the packed row
     and the outputs are concatenated: exact isolation, at the cost of a Python loop over documents.
+    The boundaries come from the layer's own kwargs or, for transformers versions that do not forward them to
+    linear-attention layers, from a pre-hook on the backbone (cu_seq_lens_q, else position_ids resets).
     Returns the number of layers wrapped.
     """
     if fla_available() and not force:
         return 0
-    count = 0
-    for module in model.modules():
-        if type(module).__name__.endswith("GatedDeltaNet") and not getattr(module, "_hf_dm_per_doc", False):
-            module.forward = _per_document(module.forward)
-            module._hf_dm_per_doc = True
-            count += 1
-    return count
+    layers = [m for m in model.modules()
+              if type(m).__name__.endswith("GatedDeltaNet") and not getattr(m, "_hf_dm_per_doc", False)]
+    if not layers:
+        return 0
+    packed: dict = {}
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    backbone.register_forward_pre_hook(_remember_boundaries(packed), with_kwargs=True)
+    for module in layers:
+        module.forward = _per_document(module.forward, packed)
+        module._hf_dm_per_doc = True
+    return len(layers)
 
 
-def _per_document(forward):
+def _remember_boundaries(packed: dict):
+    def hook(module, args, kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        pos = kwargs.get("position_ids")
+        if cu is None and pos is not None and pos.ndim == 2 and pos.shape[0] == 1:
+            starts = torch.nonzero(pos[0] == 0).flatten()
+            if starts.numel() > 1 or (starts.numel() == 1 and starts[0] != 0):
+                cu = torch.cat([starts, torch.tensor([pos.shape[1]], device=pos.device)])
+                if cu[0] != 0:
+                    cu = torch.cat([torch.zeros(1, dtype=cu.dtype, device=cu.device), cu])
+        packed["cu"] = cu
+
+    return hook
+
+
+def _per_document(forward, packed: dict):
     def per_document_forward(*args, **kwargs):
         cu = kwargs.get("cu_seq_lens_q")
+        if cu is None:
+            cu = packed.get("cu")
         for k in _PACKED_KWARGS:
             kwargs.pop(k, None)
-        hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
-        rest = args[1:] if "hidden_states" not in kwargs and args else args
+        if "hidden_states" in kwargs:
+            hidden, rest = kwargs.pop("hidden_states"), args
+        else:
+            hidden, rest = args[0], args[1:]
         cache = kwargs.get("cache", kwargs.get("cache_params"))
-        if cu is None or hidden.shape[0] != 1 or cache is not None:
+        if cu is None or hidden.shape[0] != 1 or cache is not None or int(cu[-1]) != hidden.shape[1]:
             return forward(hidden, *rest, **kwargs)
         kwargs["attention_mask"] = None  # a packed row has no padding
         bounds = cu.tolist()
