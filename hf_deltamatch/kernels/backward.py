@@ -174,7 +174,8 @@ def _bwd_dq_kernel(
         delta = tl.sum(dohp * o, 1)
     else:  # the correction pass
         if HAS_WINDOW:
-            dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+            dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb,
+                                                SKb, SVb,
                                           skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
                                           BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
                                           HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
@@ -368,18 +369,18 @@ def _bwd_dkdv_kernel(
         SDOg = SDO + bh * N + q0
         LSEg = LSE + bh * N + q0
         DELTAg = DELTA + bh * N + q0
-        dk, dv, c_dk, c_dv = _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-                             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
-                             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8,
-                             FMAX, E5M2, POW2, INTERP)
-        dk, dv, c_dk, c_dv = _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-                             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
-                             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8,
-                             FMAX, E5M2, POW2, INTERP)
-        dk, dv, c_dk, c_dv = _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-                             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
-                             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8,
-                             FMAX, E5M2, POW2, INTERP)
+        dk, dv, c_dk, c_dv = _dkdv_inner(
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+        dk, dv, c_dk, c_dv = _dkdv_inner(
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+        dk, dv, c_dk, c_dv = _dkdv_inner(
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m

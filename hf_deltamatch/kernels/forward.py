@@ -8,8 +8,10 @@ One program per (query block, batch*head, sequence). Keys are visited in `block`
 Tiles every row cannot see are skipped (exact, per the contract). Softmax runs in the log2 domain
 (exp2, with log2(e) folded into the per-row score factor); LSE is stored in natural log.
 
-fp8: S = (q8 @ k8^T) * sq * sk * softmax_scale; P8 = e4m3(P * 256); O += (P8 @ v8) * sv / 256 (the
-accumulator carries the running scale, so the MMA accumulates in place) with v8 read from a (D, M) buffer (tokens contiguous) so the FP8 P @ V has a K-major B operand.
+fp8: S = (q8 @ k8^T) * sq * sk * softmax_scale; P8 = e4m3(P * 256); O += (P8 @ v8) * sv / 256. The
+accumulator carries a running scale (the last tile's sv / 256), so the MMA accumulates in place instead of
+into a second fp32 tile (which spilled). v8 is read from a (D, M) copy (tokens contiguous): the FP8 P @ V
+needs a K-major B operand (row-major V made Triton transpose through registers, 2.7x slower: ANCHORS.md).
 """
 
 import triton
@@ -166,7 +168,7 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    c_acc = softmax_scale * 0.0 + 1.0  # (a runtime fp32 scalar) the scale acc is kept in (fp8: sv / 256 of the last key tile)
+    c_acc = softmax_scale * 0.0 + 1.0  # runtime fp32 scalar: acc's unit (fp8: sv / 256 of the last key tile)
     lo, mid_lo, mid_hi, hi = _key_ranges(start_m, BLOCK_M, BLOCK_N, n, m, window, CAUSAL, HAS_WINDOW)
     if HAS_WINDOW:
         acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
