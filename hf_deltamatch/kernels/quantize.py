@@ -42,6 +42,7 @@ def _quantize_kernel(
     rows = start + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < end) & (cols[None, :] < D)
+    rows = rows.to(tl.int64)  # packed varlen batches: token * stride can pass 2^31
     x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
                 mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
@@ -100,6 +101,7 @@ def _token_major_kernel(X, Y, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < N) & (cols[None, :] < D)
+    rows = rows.to(tl.int64)
     x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
                 mask=mask)
     tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + rows[:, None] * syn + cols[None, :] * syd,
