@@ -78,6 +78,7 @@ COMMON=(--config "$CFG" --max_minutes "$MINUTES" --max_steps 300 --warmup_steps 
 EXT=(--max_steps 4 --max_minutes 1.5 --warmup_steps 2 --eval_every 4 --eval_batches 1 --log_every 1
      --corpus_bytes 20000000)
 if [ "$SMOKE" = 1 ]; then
+  CFG="tiny-cpu defaults (SMOKE=1 rehearsal)"
   COMMON=(--max_minutes "$MINUTES" --max_steps 300 --warmup_steps 5 --save_every 1000000 --eval_every 10
           --eval_batches 2 --log_every 2 --corpus_bytes 1500000 --vocab_size 1024 --seed 0)
   EXT=(--max_steps 2 --max_minutes 0.5 --warmup_steps 1 --eval_every 2 --eval_batches 1 --log_every 1

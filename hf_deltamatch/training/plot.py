@@ -91,7 +91,9 @@ def _loss_at(train: list[dict], step: int, window: int = 5):
 
 
 def table_markdown(runs: list[dict]) -> str:
-    common = min((r["train"][-1]["step"] for r in runs if r["train"]), default=0)
+    # the last step every run logged (time-limited runs stop at different steps)
+    step_sets = [{r["step"] for r in run["train"]} for run in runs if run["train"]]
+    common = max(set.intersection(*step_sets), default=0) if step_sets else 0
     rows = ["| run | attn | precision | delta | steps | tokens | first loss | final train loss | final val CE "
             f"| train loss @ step {common} | tokens/s | peak mem GiB |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
