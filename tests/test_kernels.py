@@ -24,7 +24,7 @@ def _rel(a, b):
 
 
 def _run(B=1, Hq=2, Hkv=1, N=128, M=None, Dqk=64, Dv=None, causal=True, window=None, cu=None,
-         dtype=torch.bfloat16, seed=0, check_saved=True, **cfg):
+         dtype=torch.bfloat16, seed=0, check_saved=True, row_sums=True, **cfg):
     M = M if M is not None else N
     Dv = Dv or Dqk
     config = DeltaMatchConfig(**cfg)
@@ -56,12 +56,14 @@ def _run(B=1, Hq=2, Hkv=1, N=128, M=None, Dqk=64, Dv=None, causal=True, window=N
         for t in fk[2:]:
             assert t.numel() == 0 or config.precision == "fp8"
     # both backwards from the same saved tensors (the reference's)
-    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw, return_row_sums=True)
+    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw, return_row_sums=row_sums)
     gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw, return_row_sums=True)
     for name, a, b in zip(("dq", "dk", "dv"), gk, gr):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.isfinite(a).all()
         assert _rel(a, b) <= TOL, (name, _rel(a, b))
+    if not row_sums:
+        return None
     # the invariant sum_j dS_ij = 0 before quantization (row sums relative to |dS| row sums)
     rs, ra = gk[3], gk[4]
     assert _rel(ra, gr[4]) <= TOL
@@ -180,5 +182,16 @@ def test_dq_block_of_two_ds_tiles():
     try:
         _run(N=200, M=230, block=64)
         _run(N=150, causal=False)
+    finally:
+        K.TUNE.clear()
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_dq_atomic_in_dkdv(precision):
+    """dQ by atomics inside the dK/dV kernel (TUNE["dq_atomic"]; the dQ kernel keeps only the correction pass)."""
+    K.TUNE["dq_atomic"] = True
+    try:
+        _run(N=200, M=230, Hq=4, Hkv=2, precision=precision, row_sums=False)
+        _run(N=260, cu=([0, 70, 71, 200, 260], [0, 70, 71, 200, 260]), window=40, block=64, row_sums=False)
     finally:
         K.TUNE.clear()

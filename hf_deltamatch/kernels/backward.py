@@ -103,6 +103,7 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     INTERP: tl.constexpr, DS_Q: tl.constexpr, ONE_TILE: tl.constexpr,  # ONE_TILE: BLOCK_M == DS_Q
+    COMPUTE_DQ: tl.constexpr,  # False: the correction pass alone (dQ comes from the dK/dV kernel's atomics)
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -174,35 +175,41 @@ def _bwd_dq_kernel(
         delta = tl.sum(dohp * o, 1)
     else:  # the correction pass
         if HAS_WINDOW:
-            dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb,
-                                                SKb, SVb,
-                                          skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
-                                          BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                          HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-        dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-                                      skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
-                                      BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
-                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-        dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-                                      skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
-                                      BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                      HAS_WINDOW, FP8, True, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-    if HAS_WINDOW:
-        dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-                                      skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
-                                      BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                      HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-    dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-                                  skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
-                                  BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
-                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-    dq, c_dq, delta, rs, ra = _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-                                  skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
-                                  BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-                                  HAS_WINDOW, FP8, False, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-    dq = dq * _rows(c_dq * softmax_scale, ONE_TILE)
-    tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
-             cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
+            dq, c_dq, delta, rs, ra = _dq_inner(
+                dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+                skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
+                BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
+                FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        dq, c_dq, delta, rs, ra = _dq_inner(
+            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+            skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        dq, c_dq, delta, rs, ra = _dq_inner(
+            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+            skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+    if COMPUTE_DQ:
+        if HAS_WINDOW:
+            dq, c_dq, delta, rs, ra = _dq_inner(
+                dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+                skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
+                BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
+                FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        dq, c_dq, delta, rs, ra = _dq_inner(
+            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+            skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        dq, c_dq, delta, rs, ra = _dq_inner(
+            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+            skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        dq = dq * _rows(c_dq * softmax_scale, ONE_TILE)
+        tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
+                 cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DELTA + row0 + offs_m, delta, mask=rmask)
     if ROW_SUMS:
         tl.store(RS + row0 + offs_m, rs, mask=rmask)
@@ -234,13 +241,14 @@ def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, w
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
-                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd,
+def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, kt, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, DQA, col_f, dp_f, dq_f,
+                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, sdqd,
                 start_n, lo, hi, n, m, window,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr):
+                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
+                ATOMIC_DQ: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -290,27 +298,40 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
             c_dv = cv
             sds = tile_scale(tl.max(tl.max(tl.abs(dst), 1), 0), FMAX, POW2)
             ck = sds * sq_t
-            dk = tl.dot(to_fp8(dst / sds, E5M2, INTERP), qt, dk * (c_dk / ck))
+            ds8t = to_fp8(dst / sds, E5M2, INTERP)
+            dk = tl.dot(ds8t, qt, dk * (c_dk / ck))
             c_dk = ck
-        elif INTERP:
-            dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(tl.float32), do, dv)
-            dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(tl.float32), q, dk)
+            if ATOMIC_DQ:  # dQ_I += (dS8 @ k8_J) * sds * sk * softmax_scale, the same dS8 as dK's
+                dqp = tl.dot(tl.trans(ds8t), kt) * (sds * dq_f)
         else:
-            dv = tl.dot(pt.to(Q.dtype.element_ty), do, dv)
-            dk = tl.dot(dst.to(Q.dtype.element_ty), q, dk)
+            if INTERP:
+                ptq = cast_to(pt, Q.dtype.element_ty, INTERP).to(tl.float32)
+                dsq = cast_to(dst, Q.dtype.element_ty, INTERP).to(tl.float32)
+            else:
+                ptq = pt.to(Q.dtype.element_ty)
+                dsq = dst.to(Q.dtype.element_ty)
+            dv = tl.dot(ptq, do, dv)
+            dk = tl.dot(dsq, q, dk)
+            if ATOMIC_DQ:
+                dqp = tl.dot(tl.trans(dsq), k) * dq_f
+        if ATOMIC_DQ:
+            tl.atomic_add(DQA + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd, dqp,
+                          mask=(offs_m[:, None] < n) & (offs_dqk[None, :] < DQK))
     return dk, dv, c_dk, c_dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, QT, K, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DK, DV, CUQ, CUK,
-    sqb, sqh, sqn, sqd, qtb, qth, qtn, qtd, skb, skh, skn, skd, svb, svh, svn, svd,
+    Q, QT, K, KT, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DK, DV, DQA, CUQ, CUK,
+    sqb, sqh, sqn, sqd, qtb, qth, qtn, qtd, skb, skh, skn, skd, ktb, kth, ktn, ktd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, dtb, dth, dtn, dtd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+    sdqb, sdqh, sdqn, sdqd,
     Hq, Hkv, N, M, softmax_scale, window,
     GROUPS: tl.constexpr, DQK: tl.constexpr, DV_: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,  # also dQ, by fp32 atomic adds into DQA (B, Hq, N, Dqk): no dQ kernel pass
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
@@ -344,10 +365,17 @@ def _bwd_dkdv_kernel(
         v = v.to(tl.float32)
     col_f = softmax_scale * 1.4426950408889634
     dp_f = 1.0
+    dq_f = softmax_scale
+    kt = k
     if FP8:
         kv_row = (b64 * Hkv + hk) * M + k0 + start_n
-        col_f = col_f * tl.load(SK + kv_row, mask=start_n < m, other=1.0)
+        sk_t = tl.load(SK + kv_row, mask=start_n < m, other=1.0)
+        col_f = col_f * sk_t
+        dq_f = dq_f * sk_t
         dp_f = tl.load(SV + kv_row, mask=start_n < m, other=1.0)
+        if ATOMIC_DQ:  # k token-major: the K-major B operand of dS8 @ k8 (contraction over keys)
+            kt = _load_2d(KT + b64 * ktb + hk64 * kth + k064 * ktn + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd,
+                          offs_n, offs_dqk, m, DQK, True, BLOCK_DQK != DQK)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of c_dk, c_dv (the last tile scales)
@@ -369,18 +397,22 @@ def _bwd_dkdv_kernel(
         SDOg = SDO + bh * N + q0
         LSEg = LSE + bh * N + q0
         DELTAg = DELTA + bh * N + q0
+        DQAg = DQA + b64 * sdqb + h64 * sdqh + q064 * sdqn
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+            dk, dv, c_dk, c_dv, k, v, kt, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DQAg, col_f, dp_f, dq_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, sdqd, start_n, lo, mid_lo, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
+            ATOMIC_DQ)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+            dk, dv, c_dk, c_dv, k, v, kt, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DQAg, col_f, dp_f, dq_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, sdqd, start_n, mid_lo, mid_hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
+            ATOMIC_DQ)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+            dk, dv, c_dk, c_dv, k, v, kt, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DQAg, col_f, dp_f, dq_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, sdqd, start_n, mid_hi, hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
+            ATOMIC_DQ)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m
