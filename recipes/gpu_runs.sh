@@ -24,7 +24,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 mkdir -p "$OUT/runs"
 OUT=$(cd "$OUT" && pwd)
 cd "$REPO"
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
 MODEL=${MODEL:-hybrid}
 MINUTES=${MINUTES:-1.4}
 SMOKE=${SMOKE:-0}
@@ -73,8 +73,10 @@ PYEOF
 
 # ---- settings --------------------------------------------------------------------------------------------
 if [ "$MODEL" = dense ]; then CFG=recipes/configs/dense-small.yaml; else CFG=recipes/configs/hybrid-small.yaml; fi
-COMMON=(--config "$CFG" --max_minutes "$MINUTES" --max_steps 300 --warmup_steps 20 --save_every 1000000
-        --eval_every 25 --eval_batches 4 --log_every 2 --corpus_bytes 20000000 --seed 0)
+# Short runs: 2 x 8K tokens per step (more optimizer steps in the time budget than the config's 64K/step).
+COMMON=(--config "$CFG" --max_minutes "$MINUTES" --max_steps 300 --warmup_steps 20 --batch_size 2 --grad_accum 1
+        --lr 1e-3 --save_every 1000000 --eval_every 25 --eval_batches 4 --log_every 2 --corpus_bytes 20000000
+        --seed 0)
 EXT=(--max_steps 4 --max_minutes 1.5 --warmup_steps 2 --eval_every 4 --eval_batches 1 --log_every 1
      --corpus_bytes 20000000)
 if [ "$SMOKE" = 1 ]; then

@@ -165,9 +165,11 @@ def _train(cfg: TrainConfig) -> dict:
 
     if main:
         log.info("model %s: %.2fM params (%.2fM trainable), attn=%s precision=%s delta=%s; %s blocks of %d "
-                 "tokens; %d process(es)", type(causal_lm(accelerator.unwrap_model(wrapped).model)).__name__,
+                 "tokens; %d process(es) on %s, mixed precision %s",
+                 type(causal_lm(accelerator.unwrap_model(wrapped).model)).__name__,
                  n_params / 1e6, n_train / 1e6, cfg.attn, cfg.precision, cfg.delta,
-                 n_blocks if n_blocks is not None else "streamed", cfg.seq_len, accelerator.num_processes)
+                 n_blocks if n_blocks is not None else "streamed", cfg.seq_len, accelerator.num_processes,
+                 accelerator.device, accelerator.mixed_precision)
     accelerator.init_trackers(cfg.name, config=_hparams(cfg))
     metrics_path = out_dir / "metrics.jsonl"
     if main:

@@ -94,6 +94,8 @@ def table_markdown(runs: list[dict]) -> str:
     # the last step every run logged (time-limited runs stop at different steps)
     step_sets = [{r["step"] for r in run["train"]} for run in runs if run["train"]]
     common = max(set.intersection(*step_sets), default=0) if step_sets else 0
+    if not common and step_sets:  # different logging steps: fall back to the shortest run's last step
+        common = min(max(st) for st in step_sets)
     rows = ["| run | attn | precision | delta | steps | tokens | first loss | final train loss | final val CE "
             f"| train loss @ step {common} | tokens/s | peak mem GiB |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
