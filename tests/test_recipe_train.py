@@ -328,3 +328,10 @@ def test_max_minutes_stops_cleanly(corpus, tmp_path):
     assert kinds == [("train", 1), ("eval", 1)]  # logged and evaluated at the stop even off-schedule
     assert (tmp_path / "run" / "checkpoints" / "step_0000001" / "DONE").is_file()
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_unreachable_hub_dataset_is_a_clear_error(tmp_path, corpus, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="could not load hub dataset 'someuser/somedataset'"):
+        run_inprocess(tiny_args(tmp_path, corpus, data="someuser/somedataset"))

@@ -125,7 +125,11 @@ def load_text_splits(cfg: TrainConfig):
 
     builder, source = resolve_data(cfg)
     if builder == "hub":
-        ds = load_dataset(source, split="train", streaming=cfg.streaming)
+        try:
+            ds = load_dataset(source, split="train", streaming=cfg.streaming)
+        except Exception as e:  # offline, unknown name, gated...: say what to do instead of a deep traceback
+            raise ConfigError(f"could not load hub dataset {source!r} ({type(e).__name__}: {e}). Hub datasets need "
+                              "network access (HF_DATASETS_OFFLINE unset); offline, point --data at local files.")
     else:
         kwargs = {"sample_by": "document"} if builder == "text" else {}  # one .txt file = one document
         ds = load_dataset(builder, data_files=source, split="train", streaming=cfg.streaming, **kwargs)
