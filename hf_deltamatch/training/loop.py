@@ -212,7 +212,7 @@ def _train(cfg: TrainConfig) -> dict:
     wrapped.train()
     bar = tqdm(total=cfg.max_steps, initial=state.step, disable=not main, desc=cfg.name, dynamic_ncols=True)
     t_start = time.time() - state.elapsed
-    t_window, tok_window = time.time(), 0
+    t_window, tok_window, state_tokens_logged = time.time(), 0, 0
     loss_acc = torch.zeros((), device=accelerator.device)
     n_acc = 0
     last_val = None
@@ -229,11 +229,12 @@ def _train(cfg: TrainConfig) -> dict:
                 sync = micro_in_step == cfg.grad_accum - 1
                 ctx = accelerator.no_sync(wrapped) if not sync else _null()
                 with ctx, accelerator.autocast():
-                    loss, n_tok = wrapped(**batch)
+                    loss, _ = wrapped(**batch)
                     accelerator.backward(loss / cfg.grad_accum)
                 loss_acc += loss.detach()
                 n_acc += 1
-                tok_window += int(n_tok)
+                # input tokens: the same count on every rank (fixed-length blocks), so no communication needed
+                tok_window += batch["input_ids"].numel() * accelerator.num_processes
                 micro_in_step += 1
                 if not sync:
                     continue
@@ -249,6 +250,8 @@ def _train(cfg: TrainConfig) -> dict:
                 state.step += 1
                 state.batches_in_epoch += cfg.grad_accum
                 state.micro += cfg.grad_accum
+                state.tokens += tok_window - state_tokens_logged
+                state_tokens_logged = tok_window
                 bar.update(1)
 
                 out_of_time = cfg.max_minutes > 0 and time.time() - t_start > cfg.max_minutes * 60
@@ -259,15 +262,12 @@ def _train(cfg: TrainConfig) -> dict:
                     time_limited = True
 
                 if state.step % cfg.log_every == 0 or state.step == cfg.max_steps or out_of_time:
-                    stats = accelerator.reduce(torch.stack([loss_acc / max(n_acc, 1),
-                                                            torch.tensor(float(tok_window), device=loss_acc.device)]),
-                                               reduction="sum")
+                    mean_loss = accelerator.reduce(loss_acc / max(n_acc, 1), reduction="mean")
                     now = time.time()
-                    tokens_window = stats[1].item()
-                    state.tokens += int(tokens_window)
+                    tokens_window = tok_window
                     rec = {
                         "kind": "train", "step": state.step, "tokens": state.tokens,
-                        "loss": stats[0].item() / accelerator.num_processes,
+                        "loss": mean_loss.item(),
                         "lr": schedulers[0].get_last_lr()[0],
                         "grad_norm": float(grad_norm) if grad_norm is not None else None,
                         "tokens_per_s": tokens_window / max(now - t_window, 1e-9),
@@ -280,7 +280,7 @@ def _train(cfg: TrainConfig) -> dict:
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", lr=f"{rec['lr']:.1e}",
                                     tok_s=f"{rec['tokens_per_s']:.0f}")
                     loss_acc.zero_()
-                    n_acc, tok_window, t_window = 0, 0, time.time()
+                    n_acc, tok_window, state_tokens_logged, t_window = 0, 0, 0, time.time()
 
                 if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps or out_of_time:
                     last_val = evaluate()
