@@ -48,6 +48,9 @@ if ! "$PY" -c "import datasets" 2>/dev/null; then
   fi
 fi
 
+if [ "$MODEL" = dense ]; then CFG=recipes/configs/dense-small.yaml; else CFG=recipes/configs/hybrid-small.yaml; fi
+export GPU_RUNS_CFG=$CFG
+
 # ---- preflight: fail in seconds, not after the first run ------------------------------------------------
 "$PY" - "$SMOKE" "$MODEL" <<'PYEOF' | tee "$OUT/environment.txt"
 import sys, platform
@@ -63,7 +66,27 @@ try:
     AutoConfig.for_model("qwen3_5_text" if model == "hybrid" else "qwen3")
 except Exception as e:
     sys.exit(f"error: this transformers ({transformers.__version__}) lacks the model: {e}; try MODEL=dense")
-import importlib.util
+# One packed forward/backward of the configured model (tiny vocab), so API drift in this transformers
+# version shows up now rather than after tokenizing.
+import importlib.util, os, yaml, torch
+from hf_deltamatch.training.config import TrainConfig
+from hf_deltamatch.training.data import PackedCollator
+from hf_deltamatch.training.modeling import CausalLMWithLoss, keep_linear_attention_documents_apart, setup_attention
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+spec = dict(yaml.safe_load(open(os.environ["GPU_RUNS_CFG"]))["model_config"]) if not smoke else \
+    dict(TrainConfig().model_config)
+mt = spec.pop("model_type")
+setup_attention(TrainConfig(attn="deltamatch_fp8"))
+lm = transformers.AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, vocab_size=1024, **spec),
+                                                   attn_implementation="deltamatch_fp8").to(dev)
+keep_linear_attention_documents_apart(lm)
+batch = PackedCollator()([{"input_ids": list(range(1, 1001)), "doc_lens": [300, 700]}])
+batch = {k: v.to(dev) if hasattr(v, "to") else v for k, v in batch.items()}
+with torch.autocast(dev, dtype=torch.bfloat16):
+    loss, _ = CausalLMWithLoss(lm)(**batch)
+loss.backward()
+assert torch.isfinite(loss), loss
+print(f"preflight: {mt} forward/backward with deltamatch_fp8 on packed input ok (loss {loss.item():.3f})")
 print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
 print(f"python {platform.python_version()}  torch {torch.__version__}  transformers {transformers.__version__}  "
       f"accelerate {accelerate.__version__}  datasets {datasets.__version__}  "
@@ -72,7 +95,6 @@ print(f"python {platform.python_version()}  torch {torch.__version__}  transform
 PYEOF
 
 # ---- settings --------------------------------------------------------------------------------------------
-if [ "$MODEL" = dense ]; then CFG=recipes/configs/dense-small.yaml; else CFG=recipes/configs/hybrid-small.yaml; fi
 # Short runs: 2 x 8K tokens per step (more optimizer steps in the time budget than the config's 64K/step).
 COMMON=(--config "$CFG" --max_minutes "$MINUTES" --max_steps 300 --warmup_steps 20 --batch_size 2 --grad_accum 1
         --lr 1e-3 --save_every 1000000 --eval_every 25 --eval_batches 4 --log_every 2 --corpus_bytes 20000000
