@@ -119,3 +119,23 @@ def test_linear_attention_boundaries_from_position_ids_alone():
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
         alone = torch.cat([model(input_ids=d[None], use_cache=False).logits[0] for d in docs])
     torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)
+
+
+def test_qwen3_next_made_dense_keeps_documents_apart():
+    """The other hybrid family: Qwen3-Next with every MLP dense (mlp_only_layers = all layers)."""
+    config = AutoConfig.for_model(
+        "qwen3_next", vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, mlp_only_layers=[0, 1], num_experts=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert keep_linear_attention_documents_apart(model, force=True) == 1
+    assert not any("Sparse" in type(m).__name__ or "Experts" in type(m).__name__ for m in model.modules())
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 97, (n,), generator=g) for n in (30, 50)]
+    batch = PackedCollator()([{"input_ids": torch.cat(docs).tolist(), "doc_lens": [30, 50]}])
+    with torch.no_grad():
+        packed = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=d[None], use_cache=False).logits[0] for d in docs])
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)
