@@ -93,6 +93,32 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
 
 
 @triton.jit
+def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
+              start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+              DQK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+              FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr,
+              E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr, DS_Q: tl.constexpr,
+              ONE_TILE: tl.constexpr):
+    """One pass over a query block's visible key tiles: the window's masked edge [lo, mid_lo) (only with a
+    window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
+    if HAS_WINDOW:
+        dq, c_dq, delta, rs, ra = _dq_inner(
+            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
+            start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
+            HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+    dq, c_dq, delta, rs, ra = _dq_inner(
+        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
+        start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
+        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+    dq, c_dq, delta, rs, ra = _dq_inner(
+        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
+        start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
+        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+    return dq, c_dq, delta, rs, ra
+
+
+@triton.jit
 def _bwd_dq_kernel(
     Q, K, KT, V, DO, SQ, SK, SV, SDO, LSE, DOHP, O, DQ, DELTA, RS, RA, CUQ, CUK,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, ktb, kth, ktn, ktd, svb, svh, svn, svd,
@@ -174,38 +200,16 @@ def _bwd_dq_kernel(
                      offs_m, offs_dv, n, DV, True, BLOCK_DV != DV).to(tl.float32)
         delta = tl.sum(dohp * o, 1)
     else:  # the correction pass
-        if HAS_WINDOW:
-            dq, c_dq, delta, rs, ra = _dq_inner(
-                dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-                skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
-                BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
-                FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-        dq, c_dq, delta, rs, ra = _dq_inner(
+        dq, c_dq, delta, rs, ra = _dq_sweep(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-            skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-        dq, c_dq, delta, rs, ra = _dq_inner(
-            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-            skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
+            skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
             FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
     if COMPUTE_DQ:
-        if HAS_WINDOW:
-            dq, c_dq, delta, rs, ra = _dq_inner(
-                dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-                skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, n, m, window,
-                BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-                FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-        dq, c_dq, delta, rs, ra = _dq_inner(
+        dq, c_dq, delta, rs, ra = _dq_sweep(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-            skn, skd, ktn, ktd, svn, svd, start_m, mid_lo, mid_hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-        dq, c_dq, delta, rs, ra = _dq_inner(
-            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-            skn, skd, ktn, ktd, svn, svd, start_m, mid_hi, hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
+            skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
             FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
         dq = dq * _rows(c_dq * softmax_scale, ONE_TILE)
         tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
