@@ -77,12 +77,15 @@ def supports(q, k, v, window, config) -> str | None:
 
 
 def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
-    """(nseq, max_n, max_m) of the launch grids; dense batches are one 'sequence' per batch row."""
+    """(nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k) of the launch grids, the cu_seqlens as contiguous
+    int32 for the kernels; dense batches are one 'sequence' per batch row."""
     if cu_seqlens_q is None:
-        return 1, q.shape[2], k.shape[2]
+        return 1, q.shape[2], k.shape[2], None, None
+    cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
+    cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
     lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item() if cu_seqlens_q.numel() > 1 else 0
     lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item() if cu_seqlens_k.numel() > 1 else 0
-    return cu_seqlens_q.numel() - 1, int(lq), int(lk)
+    return cu_seqlens_q.numel() - 1, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k
 
 
 def _s4(t):
@@ -97,10 +100,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
-    nseq, max_n, max_m = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
-    if varlen:
-        cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
-        cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
     qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q)
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k)
     if fp8:
@@ -149,10 +149,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
-    nseq, max_n, max_m = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
-    if varlen:
-        cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
-        cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
     if stale and out is None:
         raise ValueError("delta='stale' needs the forward output.")
     lse = lse.contiguous()
