@@ -33,16 +33,18 @@ def _round_to_fp8_grid(x, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 @triton.jit
 def to_fp8(x, E5M2: tl.constexpr, INTERP: tl.constexpr):
-    """Saturating RNE cast of fp32 to e4m3 (E5M2=False) or e5m2."""
+    """Saturating RNE cast of fp32 to e4m3 (E5M2=False) or e5m2.
+
+    On the GPU Triton emits `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (checked in the PTX for sm_90), which
+    already saturates: clamping there would cost two instructions per element in every inner loop.
+    """
     if E5M2:
-        x = tl.minimum(tl.maximum(x, -57344.0), 57344.0)
         if INTERP:
-            x = _round_to_fp8_grid(x, 2, -14)
+            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -57344.0), 57344.0), 2, -14)
         return x.to(tl.float8e5)
     else:
-        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
         if INTERP:
-            x = _round_to_fp8_grid(x, 3, -6)
+            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), 3, -6)
         return x.to(tl.float8e4nv)
 
 

@@ -20,16 +20,7 @@ import triton
 import triton.language as tl
 
 from ._fp8 import cast_to, tile_scale, to_fp8
-from .forward import _key_ranges, _load_2d, _visible
-
-
-@triton.jit
-def _rows(x, SCALAR: tl.constexpr):
-    """A per-row factor as a multiplier of a (rows, cols) tile: itself if scalar, else x[:, None]."""
-    if SCALAR:
-        return x
-    else:
-        return x[:, None]
+from .forward import _key_ranges, _load_2d, _per_row, _visible
 
 
 @triton.jit
@@ -57,10 +48,10 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
         # ONE_TILE (BLOCK_M == DS_Q): row_f, dp_f, c_dq are scalars (one quantization tile holds the
         # block's rows); otherwise per-row vectors. Scalars keep the 64-row kernel's registers low.
         if FP8:
-            s = qk * _rows(row_f * tl.load(SK + start_n), ONE_TILE)
-            dp = dp * _rows(dp_f * tl.load(SV + start_n), ONE_TILE)
+            s = qk * _per_row(row_f * tl.load(SK + start_n), ONE_TILE)
+            dp = dp * _per_row(dp_f * tl.load(SV + start_n), ONE_TILE)
         else:
-            s = qk * _rows(row_f, ONE_TILE)
+            s = qk * _per_row(row_f, ONE_TILE)
         if MASK:
             s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
@@ -79,11 +70,11 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                 else:
                     sub = tile_scale(tl.max(tl.reshape(amax, (BLOCK_M // DS_Q, DS_Q)), 1), FMAX, POW2)
                     sds = tl.reshape(tl.broadcast_to(sub[:, None], (BLOCK_M // DS_Q, DS_Q)), (BLOCK_M,))
-                ds8 = to_fp8(ds / _rows(sds, ONE_TILE), E5M2, INTERP)
+                ds8 = to_fp8(ds / _per_row(sds, ONE_TILE), E5M2, INTERP)
                 kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
                               MASK, BLOCK_DQK != DQK)
                 c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
-                dq = tl.dot(ds8, kt, dq * _rows(c_dq / c, ONE_TILE))
+                dq = tl.dot(ds8, kt, dq * _per_row(c_dq / c, ONE_TILE))
                 c_dq = c
             elif INTERP:
                 dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(tl.float32), k, dq)
@@ -211,7 +202,7 @@ def _bwd_dq_kernel(
             skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
             FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-        dq = dq * _rows(c_dq * softmax_scale, ONE_TILE)
+        dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
         tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
                  cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DELTA + row0 + offs_m, delta, mask=rmask)

@@ -36,6 +36,15 @@ def _load_2d(ptrs, rows, cols, R_LIM, C_LIM, MASK_R: tl.constexpr, MASK_C: tl.co
 
 
 @triton.jit
+def _per_row(x, SCALAR: tl.constexpr):
+    """A per-row factor as a multiplier of a (rows, cols) tile: itself if scalar, else x[:, None]."""
+    if SCALAR:
+        return x
+    else:
+        return x[:, None]
+
+
+@triton.jit
 def _visible(rows, cols, n, m, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """(rows, cols) mask in sequence-local coordinates: key tail, bottom-right causal, sliding window."""
     vis = cols[None, :] < m
@@ -94,9 +103,9 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))
         if FP8:
-            s = qk * (row_f * tl.load(SK + start_n))[:, None]  # sk: one scale per key tile
+            s = qk * _per_row(row_f * tl.load(SK + start_n), BLOCK_M <= BLOCK_N)  # sk: one per key tile
         else:
-            s = qk * row_f[:, None]
+            s = qk * _per_row(row_f, BLOCK_M <= BLOCK_N)
         if MASK:
             s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -160,10 +169,16 @@ def _fwd_kernel(
                  True, BLOCK_DQK != DQK)
     if INTERP and not FP8:
         q = q.to(tl.float32)
-    row_f = tl.zeros([BLOCK_M], tl.float32) + softmax_scale * 1.4426950408889634
-    if FP8:
-        sq = tl.load(SQ + pid_bh.to(tl.int64) * N + q0 + offs_m, mask=offs_m < n, other=1.0)
-        row_f = sq * row_f
+    # BLOCK_M <= BLOCK_N: the block lies in one quantization tile of q (blocks and tiles both start at each
+    # sequence start), so its score factor is one scalar rather than a per-row vector (fewer registers).
+    if BLOCK_M <= BLOCK_N:
+        row_f = softmax_scale * 1.4426950408889634
+        if FP8:
+            row_f = row_f * tl.load(SQ + pid_bh.to(tl.int64) * N + q0 + start_m, mask=start_m < n, other=1.0)
+    else:
+        row_f = tl.zeros([BLOCK_M], tl.float32) + softmax_scale * 1.4426950408889634
+        if FP8:
+            row_f = row_f * tl.load(SQ + pid_bh.to(tl.int64) * N + q0 + offs_m, mask=offs_m < n, other=1.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

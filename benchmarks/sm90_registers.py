@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""Registers and spills of the kernels compiled for sm_90 (H100/H200), on any machine: no GPU needed.
+
+  python benchmarks/sm90_registers.py [--kernels fwd,dq,dkdv] [--d 128] [--variants "{'fwd': (128, 4, 3)}"]
+
+Compiles with `triton.compile` for target cuda:90 and reads the cubin's resource usage with the cuobjdump that
+ships inside triton. Spills are the first thing to look at before spending GPU time on a launch config: a
+config that spills hundreds of bytes per thread ran 2-3x slower on the H200 (benchmarks/NOTES.md). Pointer
+and stride arguments are marked divisible by 16, as the launcher does for our tensors; without it loads
+compile to byte accesses and nothing pipelines.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hf_deltamatch import kernels as K
+from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
+from hf_deltamatch.kernels.forward import _fwd_kernel
+
+FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "RS", "RA", "DQA"}
+I32_PTRS = {"CUQ", "CUK"}
+FP8_PTRS = {"Q", "QT", "K", "KT", "V", "DO", "DOT"}
+OUT_PTRS = {"O", "DQ", "DK", "DV", "DOHP"}
+FLOATS = {"softmax_scale"}
+
+
+def signature(fn, constexprs):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name in FP8_PTRS:
+            sig[name] = "*fp8e4nv" if constexprs.get("FP8") else "*bf16"
+        elif name in FP32_PTRS:
+            sig[name] = "*fp32"
+        elif name in I32_PTRS:
+            sig[name] = "*i32"
+        elif name in OUT_PTRS:
+            sig[name] = "*bf16"
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+        # pointers and strides (all but the last-dim strides, which are 1 and specialized away) are multiples of 16
+        if sig[name].startswith("*") or (name.startswith("s") and not name.endswith("d") and name != "softmax_scale"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def usage(fn, constexprs, warps, stages):
+    sig, attrs = signature(fn, constexprs)
+    # the last-dim strides are 1 at every launch: Triton specializes 1-valued ints as constants
+    for name in fn.arg_names:
+        if re.fullmatch(r"s[a-z]*d", name) and name != "softmax_scale":
+            sig[name] = "constexpr"
+            constexprs = {**constexprs, name: 1}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    mma = sorted(set(re.findall(r"[QH]GMMA\.[\w.]+", sass)))
+    return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=int(stack.group(1)) if stack else None,
+                smem=c.metadata.shared, mma=mma)
+
+
+def common(d, fp8, causal):
+    return dict(DQK=d, BLOCK_DQK=d, BLOCK_DV=d, CAUSAL=causal, HAS_WINDOW=False, VARLEN=False, FP8=fp8,
+                INTERP=False, GROUPS=1)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--kernels", default="fwd,dq,dkdv")
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
+    args = p.parse_args()
+    fp8 = not args.bf16
+    for var in args.variants.split(";"):
+        K.TUNE.clear()
+        K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
+        c = common(args.d, fp8, True)
+        fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
+        dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8)
+        atomic = bool(K.TUNE.get("dq_atomic"))
+        bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
+        jobs = {
+            "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block), fw, fs),
+            "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
+                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
+                                        COMPUTE_DQ=not atomic), dw, ds),
+            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block,
+                                            ATOMIC_DQ=atomic), kw, ks),
+        }
+        for name in args.kernels.split(","):
+            fn, cx, w, s = jobs[name]
+            u = usage(fn, cx, w, s)
+            print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
+                  f"smem={u['smem']} {' '.join(u['mma'])}", flush=True)
+    K.TUNE.clear()
+
+
+if __name__ == "__main__":
+    main()
