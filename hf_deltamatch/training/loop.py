@@ -104,6 +104,7 @@ def _train(cfg: TrainConfig) -> dict:
     from .optim import build_optimizers, build_schedulers
 
     out_dir = Path(cfg.output_dir)
+    cpu_fsdp = _cpu_fsdp_rehearsal()
     accelerator = Accelerator(
         mixed_precision=cfg.mixed_precision,
         log_with="tensorboard",
@@ -114,8 +115,10 @@ def _train(cfg: TrainConfig) -> dict:
         step_scheduler_with_optimizer=False,
         # Without a GPU, say so explicitly: accelerate then runs multi-process (torchrun/accelerate launch) as
         # CPU DDP over gloo instead of silently starting independent single-process runs.
-        cpu=not torch.cuda.is_available(),
+        cpu=not torch.cuda.is_available() and not cpu_fsdp,
     )
+    if accelerator.distributed_type.name == "FSDP":
+        _fsdp_mixed_precision(accelerator)
     main = accelerator.is_main_process
     logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(message)s")
     set_seed(cfg.seed)
@@ -163,6 +166,8 @@ def _train(cfg: TrainConfig) -> dict:
         log.info("resumed from %s at step %d", resume_dir, state.step)
     start_step = state.step
 
+    if accelerator.distributed_type.name == "FSDP" and main:
+        log.info("FSDP%s: %s", getattr(accelerator.state.fsdp_plugin, "fsdp_version", "?"), _fsdp_layout(wrapped))
     if main:
         log.info("model %s: %.2fM params (%.2fM trainable), attn=%s precision=%s delta=%s; %s blocks of %d "
                  "tokens; %d process(es) on %s, mixed precision %s",
@@ -338,6 +343,55 @@ def _train(cfg: TrainConfig) -> dict:
             tokenizer.save_pretrained(str(final))
     accelerator.end_training()
     return summary
+
+
+def _fsdp_mixed_precision(accelerator) -> None:
+    """FSDP2 with --mixed_precision bf16: bf16 parameters for compute (the all-gathers move half the bytes), but
+    fp32 gradient reduction and fp32 outputs, so the loss and the averaged gradients match DDP's precision.
+    (accelerate's default for bf16 is bf16 everywhere: gradients reduce-scattered in bf16 and the loss returned
+    rounded to bf16.) fp32 master weights and the optimizer state stay fp32 either way."""
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.mixed_precision != "bf16" or getattr(plugin, "fsdp_version", 1) != 2:
+        return
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                         output_dtype=torch.float32)
+
+
+def _fsdp_layout(model) -> str:
+    """What FSDP did to the model: sharded units and activation-checkpointed blocks (for the run log)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - old torch
+        return "?"
+    units = [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)]
+    ckpt = sum(1 for m in model.modules() if type(m).__name__.endswith("CheckpointWrapper"))
+    kinds = ", ".join(f"{units.count(k)} x {k}" for k in dict.fromkeys(units))
+    return f"{len(units)} fully_shard units ({kinds}); activation checkpointing on {ckpt} modules"
+
+
+def _cpu_fsdp_rehearsal() -> bool:
+    """HF_DELTAMATCH_CPU_FSDP=1 (tests, `multi_gpu_runs.sh` with SMOKE=1): run accelerate's real FSDP2 path on
+    CPU processes over gloo. accelerate only enables FSDP for accelerator devices (on CPU it silently falls
+    back to DDP), while torch's fully_shard itself works on CPU; so under a multi-process launch with FSDP
+    configured and no GPU, this makes accelerate see a "multi-GPU" gloo group whose device is the CPU.
+    Returns True when it did so. Never active with a GPU."""
+    if os.environ.get("HF_DELTAMATCH_CPU_FSDP") != "1" or torch.cuda.is_available():
+        return False
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or int(os.environ.get("WORLD_SIZE", 1)) < 2:
+        return False
+    import accelerate.state as acc_state
+    from accelerate.utils import DistributedType
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("gloo")
+        return "gloo", DistributedType.MULTI_GPU
+
+    acc_state.PartialState._prepare_backend = prepare_backend
+    os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
+    return True
 
 
 class _null:
