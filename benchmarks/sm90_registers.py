@@ -105,7 +105,8 @@ def main():
             "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
                                         ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
                                         HALVES=2 if K.TUNE.get('dq_halves') else 1), dw, ds),
-            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block), kw, ks),
+            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block,
+                                            HALVES=2 if K.TUNE.get('dkdv_halves') else 1), kw, ks),
         }
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]

@@ -187,9 +187,10 @@ def test_dq_block_of_two_ds_tiles():
 
 
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
-def test_dq_key_tile_in_halves(precision):
-    """The dQ/correction kernel computing each key tile as two half-width sub-tiles (one dS scale per whole tile)."""
-    K.TUNE["dq_halves"] = True
+def test_tiles_in_halves(precision):
+    """dQ/correction kernel: each key tile as two half-width sub-tiles; dK/dV kernel: each query tile as two
+    half-height sub-tiles. One dS scale per whole tile either way, so the contract is unchanged."""
+    K.TUNE.update(dq_halves=True, dkdv_halves=True)
     try:
         _run(N=200, M=230, Hq=4, Hkv=2, precision=precision)
         _run(N=260, cu=([0, 70, 71, 200, 260], [0, 70, 71, 200, 260]), window=40, block=64)

@@ -269,74 +269,104 @@ def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, w
 
 
 @triton.jit
+def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, offs_m, offs_n, n, m, window,
+            BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+            MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
+            INTERP: tl.constexpr):
+    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m; also the loaded q, dO."""
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
+                 MASK, BLOCK_DQK != DQK)
+    do = _load_2d(DO + offs_m[:, None] * sdon + offs_dv[None, :] * sdod, offs_m, offs_dv, n, DV,
+                  MASK, BLOCK_DV != DV)
+    if INTERP and not FP8:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    if MASK:
+        lse = tl.load(LSE + offs_m, mask=offs_m < n, other=float("inf"))
+        delta = tl.load(DELTA + offs_m, mask=offs_m < n, other=0.0)
+    else:
+        lse = tl.load(LSE + offs_m)
+        delta = tl.load(DELTA + offs_m)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    st = tl.dot(k, tl.trans(q)) * st_f  # S^T (keys x queries)
+    dpt = tl.dot(v, tl.trans(do))
+    if FP8:
+        dpt = dpt * dp_f
+    if MASK:  # _visible, transposed: (keys, queries)
+        vis = offs_n[:, None] < m
+        if CAUSAL:
+            pos = offs_m[None, :] + (m - n)
+            vis = vis & (offs_n[:, None] <= pos)
+            if HAS_WINDOW:
+                vis = vis & (offs_n[:, None] > pos - window)
+        st = tl.where(vis, st, float("-inf"))
+    pt = tl.exp2(st - lse2[None, :])
+    return pt, pt * (dpt - delta[None, :]), q, do
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
                 sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd,
                 start_n, lo, hi, n, m, window,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr):
+                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
+                HALVES: tl.constexpr):
+    """HALVES=2: each query tile as two half-height sub-tiles (fewer live registers); one dS scale per whole
+    BLOCK_M x BLOCK_N tile, as the contract says."""
+    W: tl.constexpr = BLOCK_M // HALVES
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
-                     MASK, BLOCK_DQK != DQK)
-        do = _load_2d(DO + offs_m[:, None] * sdon + offs_dv[None, :] * sdod, offs_m, offs_dv, n, DV,
-                      MASK, BLOCK_DV != DV)
-        if INTERP and not FP8:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        if MASK:
-            lse = tl.load(LSE + offs_m, mask=offs_m < n, other=float("inf"))
-            delta = tl.load(DELTA + offs_m, mask=offs_m < n, other=0.0)
-        else:
-            lse = tl.load(LSE + offs_m)
-            delta = tl.load(DELTA + offs_m)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        st = tl.dot(k, tl.trans(q))  # S^T (keys x queries)
-        dpt = tl.dot(v, tl.trans(do))
+        offs_m = start_m + tl.arange(0, W)
+        st_f = col_f
+        dpf = dp_f
         if FP8:
             sq_t = tl.load(SQ + start_m)  # one quantization tile holds the whole 64-row query tile
             sdo_t = tl.load(SDO + start_m)
-            st = st * (col_f * sq_t)
-            dpt = dpt * (dp_f * sdo_t)
-        else:
-            st = st * col_f
-        if MASK:  # _visible, transposed: (keys, queries)
-            vis = offs_n[:, None] < m
-            if CAUSAL:
-                pos = offs_m[None, :] + (m - n)
-                vis = vis & (offs_n[:, None] <= pos)
-                if HAS_WINDOW:
-                    vis = vis & (offs_n[:, None] > pos - window)
-            st = tl.where(vis, st, float("-inf"))
-        pt = tl.exp2(st - lse2[None, :])
-        dst = pt * (dpt - delta[None, :])
+            st_f = col_f * sq_t
+            dpf = dp_f * sdo_t
+        pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m, offs_n, n, m,
+                                 window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP)
         if FP8:
-            qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
-                          MASK, BLOCK_DQK != DQK)
-            dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
-                            MASK, BLOCK_DV != DV)
             # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
             cv = sdo_t / 256.0
+            dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
+                            MASK, BLOCK_DV != DV)
             dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv * (c_dv / cv))
             c_dv = cv
-            sds = tile_scale(tl.max(tl.max(tl.abs(dst), 1), 0), FMAX, POW2)
+            amax = tl.max(tl.max(tl.abs(dst), 1), 0)
+            if HALVES == 2:
+                pt, dst2, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m + W,
+                                          offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL,
+                                          HAS_WINDOW, FP8, INTERP)
+                dot_ = _load_2d(DOT + (offs_m + W)[:, None] * dtn + offs_dv[None, :] * dtd, offs_m + W, offs_dv,
+                                n, DV, MASK, BLOCK_DV != DV)
+                dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv)
+                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(dst2), 1), 0))
+            sds = tile_scale(amax, FMAX, POW2)
             ck = sds * sq_t
-            ds8t = to_fp8(dst / sds, E5M2, INTERP)
-            dk = tl.dot(ds8t, qt, dk * (c_dk / ck))
+            qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
+                          MASK, BLOCK_DQK != DQK)
+            dk = tl.dot(to_fp8(dst / sds, E5M2, INTERP), qt, dk * (c_dk / ck))
+            if HALVES == 2:
+                qt = _load_2d(QT + (offs_m + W)[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m + W, offs_dqk,
+                              n, DQK, MASK, BLOCK_DQK != DQK)
+                dk = tl.dot(to_fp8(dst2 / sds, E5M2, INTERP), qt, dk)
             c_dk = ck
         else:
-            if INTERP:
-                ptq = cast_to(pt, Q.dtype.element_ty, INTERP).to(tl.float32)
-                dsq = cast_to(dst, Q.dtype.element_ty, INTERP).to(tl.float32)
-            else:
-                ptq = pt.to(Q.dtype.element_ty)
-                dsq = dst.to(Q.dtype.element_ty)
-            dv = tl.dot(ptq, do, dv)
-            dk = tl.dot(dsq, q, dk)
+            dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
+            dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
+            if HALVES == 2:
+                pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m + W,
+                                         offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL,
+                                         HAS_WINDOW, FP8, INTERP)
+                dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
+                dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
     return dk, dv, c_dk, c_dv
 
 
@@ -350,6 +380,7 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
+    HALVES: tl.constexpr,  # 1, or 2: each query tile in two half-height sub-tiles (fewer live registers)
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
@@ -411,15 +442,18 @@ def _bwd_dkdv_kernel(
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
+            HALVES)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
+            HALVES)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
+            HALVES)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m
