@@ -101,14 +101,17 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                 else:
                     sub = tile_scale(tl.max(tl.reshape(amax, (BLOCK_M // DS_Q, DS_Q)), 1), FMAX, POW2)
                     sds = tl.reshape(tl.broadcast_to(sub[:, None], (BLOCK_M // DS_Q, DS_Q)), (BLOCK_M,))
+                # multiply by 1/sds: Triton's fp32 `/` is div.full.f32, one MUFU op per element, and the MUFU
+                # unit is already busy with exp2 (the reciprocal is per tile; pow2 scales make it exact)
+                r = _per_row(1.0 / sds, ONE_TILE)
                 c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
                 kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
                               MASK, BLOCK_DQK != DQK)
-                dq = tl.dot(to_fp8(ds / _per_row(sds, ONE_TILE), E5M2, INTERP), kt, dq * _per_row(c_dq / c, ONE_TILE))
+                dq = tl.dot(to_fp8(ds * r, E5M2, INTERP), kt, dq * _per_row(c_dq / c, ONE_TILE))
                 if HALVES == 2:
                     kt = _load_2d(KT + (offs_n + W)[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n + W, offs_dqk,
                                   m, DQK, MASK, BLOCK_DQK != DQK)
-                    dq = tl.dot(to_fp8(ds2 / _per_row(sds, ONE_TILE), E5M2, INTERP), kt, dq)
+                    dq = tl.dot(to_fp8(ds2 * r, E5M2, INTERP), kt, dq)
                 c_dq = c
             else:
                 dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(k.dtype), k, dq)
@@ -349,14 +352,15 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
                 dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv)
                 amax = tl.maximum(amax, tl.max(tl.max(tl.abs(dst2), 1), 0))
             sds = tile_scale(amax, FMAX, POW2)
+            r = 1.0 / sds  # multiply, not divide per element (see _dq_inner)
             ck = sds * sq_t
             qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
                           MASK, BLOCK_DQK != DQK)
-            dk = tl.dot(to_fp8(dst / sds, E5M2, INTERP), qt, dk * (c_dk / ck))
+            dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / ck))
             if HALVES == 2:
                 qt = _load_2d(QT + (offs_m + W)[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m + W, offs_dqk,
                               n, DQK, MASK, BLOCK_DQK != DQK)
-                dk = tl.dot(to_fp8(dst2 / sds, E5M2, INTERP), qt, dk)
+                dk = tl.dot(to_fp8(dst2 * r, E5M2, INTERP), qt, dk)
             c_dk = ck
         else:
             dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
