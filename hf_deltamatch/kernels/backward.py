@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._fp8 import cast_to, tile_scale, to_fp8
-from .forward import _key_ranges, _load_2d, _per_row, _visible
+from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible
 
 
 @triton.jit
@@ -165,16 +165,7 @@ def _bwd_dq_kernel(
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUPS
-    if VARLEN:
-        q0 = tl.load(CUQ + pid_s)
-        n = tl.load(CUQ + pid_s + 1) - q0
-        k0 = tl.load(CUK + pid_s)
-        m = tl.load(CUK + pid_s + 1) - k0
-    else:
-        q0 = 0
-        n = N
-        k0 = 0
-        m = M
+    q0, n, k0, m = _seq_bounds(CUQ, CUK, pid_s, N, M, VARLEN)
     start_m = pid_m * BLOCK_M
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -391,16 +382,7 @@ def _bwd_dkdv_kernel(
     pid_s = tl.program_id(2)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
-    if VARLEN:
-        q0 = tl.load(CUQ + pid_s)
-        n = tl.load(CUQ + pid_s + 1) - q0
-        k0 = tl.load(CUK + pid_s)
-        m = tl.load(CUK + pid_s + 1) - k0
-    else:
-        q0 = 0
-        n = N
-        k0 = 0
-        m = M
+    q0, n, k0, m = _seq_bounds(CUQ, CUK, pid_s, N, M, VARLEN)
     start_n = pid_n * BLOCK_N
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)

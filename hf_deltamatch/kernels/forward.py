@@ -57,6 +57,22 @@ def _visible(rows, cols, n, m, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.cons
 
 
 @triton.jit
+def _seq_bounds(CUQ, CUK, pid_s, N, M, VARLEN: tl.constexpr):
+    """(first query row, query count, first key row, key count) of this program's sequence."""
+    if VARLEN:
+        q0 = tl.load(CUQ + pid_s)
+        n = tl.load(CUQ + pid_s + 1) - q0
+        k0 = tl.load(CUK + pid_s)
+        m = tl.load(CUK + pid_s + 1) - k0
+    else:
+        q0 = 0
+        n = N
+        k0 = 0
+        m = M
+    return q0, n, k0, m
+
+
+@triton.jit
 def _key_ranges(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, window,
                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Key-tile bounds (multiples of BLOCK_N) for query rows [start_m, start_m + BLOCK_M): lo, mid_lo, mid_hi, hi."""
@@ -148,16 +164,7 @@ def _fwd_kernel(
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUPS
-    if VARLEN:
-        q0 = tl.load(CUQ + pid_s)
-        n = tl.load(CUQ + pid_s + 1) - q0
-        k0 = tl.load(CUK + pid_s)
-        m = tl.load(CUK + pid_s + 1) - k0
-    else:
-        q0 = 0
-        n = N
-        k0 = 0
-        m = M
+    q0, n, k0, m = _seq_bounds(CUQ, CUK, pid_s, N, M, VARLEN)
     start_m = pid_m * BLOCK_M
     b64 = b.to(tl.int64)
     Qb = Q + b64 * sqb + h.to(tl.int64) * sqh + q0.to(tl.int64) * sqn
