@@ -24,7 +24,7 @@ from hf_deltamatch import kernels as K
 from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from hf_deltamatch.kernels.forward import _fwd_kernel
 
-FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "RS", "RA", "DQA"}
+FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "RS", "RA"}
 I32_PTRS = {"CUQ", "CUK"}
 FP8_PTRS = {"Q", "QT", "K", "KT", "V", "DO", "DOT"}
 OUT_PTRS = {"O", "DQ", "DK", "DV", "DOHP"}
@@ -55,7 +55,7 @@ def signature(fn, constexprs):
     return sig, attrs
 
 
-def usage(fn, constexprs, warps, stages):
+def usage(fn, constexprs, warps, stages, maxnreg=None):
     sig, attrs = signature(fn, constexprs)
     # the last-dim strides are 1 at every launch: Triton specializes 1-valued ints as constants
     for name in fn.arg_names:
@@ -63,7 +63,7 @@ def usage(fn, constexprs, warps, stages):
             sig[name] = "constexpr"
             constexprs = {**constexprs, name: 1}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
@@ -98,20 +98,19 @@ def main():
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         c = common(args.d, fp8, True)
         fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
-        dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8)
-        atomic = bool(K.TUNE.get("dq_atomic"))
+        dm, dw, ds, kw, ks, dh, kh = K._bwd_launch_cfg(args.d, args.d, fp8)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block), fw, fs),
             "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
                                         ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
-                                        COMPUTE_DQ=not atomic), dw, ds),
+                                        HALVES=2 if dh else 1), dw, ds),
             "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block,
-                                            ATOMIC_DQ=atomic), kw, ks),
+                                            HALVES=2 if kh else 1), kw, ks),
         }
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
-            u = usage(fn, cx, w, s)
+            u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))
             print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
                   f"smem={u['smem']} {' '.join(u['mma'])}", flush=True)
     K.TUNE.clear()

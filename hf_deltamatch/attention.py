@@ -249,6 +249,9 @@ def deltamatch_attention(
     _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        # the kernels take the row max on unscaled scores (max(qk) * scale == max(qk * scale) needs scale > 0)
+        raise ValueError(f"softmax_scale must be a finite number > 0 (got {softmax_scale}); scale q instead.")
     backend = resolve_backend(config, q.device)
     if backend == "triton":
         from . import kernels

@@ -206,6 +206,9 @@ def test_bad_inputs_raise_clear_errors():
         deltamatch_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
     with pytest.raises(ValueError, match="choose one of"):
         DeltaMatchConfig(delta="fresh")
+    for bad in (0.0, -0.125, float("nan")):
+        with pytest.raises(ValueError, match="softmax_scale must be"):
+            deltamatch_attention(q, k, v, softmax_scale=bad)
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):

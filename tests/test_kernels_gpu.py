@@ -158,13 +158,3 @@ def test_long_65536_runs():
     f = K.forward(q, k, v, **kw)
     g = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
     assert all(torch.isfinite(t).all() for t in (f[0], *g))
-
-
-def test_dq_atomic_option():
-    """TUNE["dq_atomic"]: dQ from the dK/dV kernel by fp32 atomics (not the default until timed)."""
-    K.TUNE["dq_atomic"] = True
-    try:
-        _compare(B=2, Hq=8, Hkv=2, N=2048, Dqk=128)
-        _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1000, 1001, 3000, 4096], window=300)
-    finally:
-        K.TUNE.clear()

@@ -26,10 +26,12 @@ __all__ = ["backward", "forward", "supports"]
 DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.DS_TILE_Q)
 
 
-# Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py): {"fwd": (BLOCK_M, warps, stages),
-# "dq": (BLOCK_M, warps, stages), "dkdv": (warps, stages), "dq_atomic": True}. Empty in normal use.
-# dq_atomic (not yet timed on the GPU, benchmarks/NOTES.md lever 1): dQ by fp32 atomics inside the dK/dV kernel,
-# the dQ kernel reduced to the correction pass; ignored when config.deterministic.
+# Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py, benchmarks/sm90_registers.py):
+# {"fwd": (BLOCK_M, warps, stages), "dq": (BLOCK_M, warps, stages), "dkdv": (warps, stages), and per kernel
+# "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM);
+# "dq_halves" / "dkdv_halves": True/False, whether the dQ / dK-dV kernel's loop splits each tile into two half
+# sub-tiles (default: at 64 < D <= 128)}.
+# Empty in normal use.
 TUNE: dict = {}
 
 
@@ -43,14 +45,24 @@ def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     return 64, 8, 2  # D=256: 2 warpgroups split the head dim, no spills (4 warps spilled ~800 B)
 
 
+def _maxnreg(kernel: str) -> dict:
+    """Launch kwargs capping registers per thread for `kernel` ("fwd", "dq", "dkdv"), if tuning asks for it."""
+    cap = TUNE.get(f"{kernel}_maxnreg")
+    return {"maxnreg": cap} if cap else {}
+
+
 def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
-    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages)."""
+    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages, dq halves, dkdv halves)."""
     d = max(dqk, dv)
     if d <= 128:  # H200 N=8192 causal D=128: dq (64, 4, 2) 2.30 ms, (128, 8, 2) 2.48, (64, 8, 2) 4.19
         base = (64, 4, 2, 8, 3)
     else:
         base = (64, 8, 1, 16, 1)
-    return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]))
+    # Tiles in halves (fewer live registers) where sm_90 spills drop (benchmarks/sm90_registers.py):
+    # D=128 dq 1056 -> 480 B, dkdv 776 -> 480 B; not at D=64 (no spills to save) or D=256 (more spills).
+    halves = 64 < d <= 128
+    return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]), TUNE.get("dq_halves", halves),
+            TUNE.get("dkdv_halves", halves))
 
 
 def supports(q, k, v, window, config) -> str | None:
@@ -132,7 +144,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
         BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
-        INTERP=INTERPRET, num_warps=warps, num_stages=stages,
+        INTERP=INTERPRET, num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
 
@@ -180,16 +192,14 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     else:
         doa = do
         sq = sk = sv = sdo = delta  # unused
-    dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8)
-    atomic = bool(TUNE.get("dq_atomic")) and not config.deterministic and not return_row_sums
-    dq_acc = torch.zeros((B, Hq, N, dqk), dtype=torch.float32, device=dev) if atomic else dq
+    dq_m, dq_w, dq_s, kv_w, kv_s, dq_halves, kv_halves = _bwd_launch_cfg(dqk, dv, fp8)
     common = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
                   CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
     if N > 0 and max_n > 0:
-        if fp8 and not atomic:
+        if fp8:
             k8t = token_major(k8)
         o_arg = out if stale else do
         grid = (triton.cdiv(max_n, dq_m), B * Hq, nseq)
@@ -201,26 +211,21 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, COMPUTE_DQ=not atomic,
-            num_warps=dq_w, num_stages=dq_s, **common,
+            ONE_TILE=dq_m == DS_TILE_Q, HALVES=2 if dq_halves else 1,
+            num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
     if M > 0 and max_m > 0:
         if fp8:
             q8t, do8t = token_major(q8), token_major(do8)
-            if atomic:
-                k8t = token_major(k8)
         grid = (triton.cdiv(max_m, T), B * Hkv, nseq)
         _bwd_dkdv_kernel[grid](
-            qs, q8t if fp8 else qs, ks, k8t if k8t is not None else ks, vs, doa, do8t if fp8 else doa,
-            sq, sk, sv, sdo, lse, delta, dk, dv_, dq_acc, cu_seqlens_q, cu_seqlens_k,
-            *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(), *_s4(k8t if k8t is not None else ks),
+            qs, q8t if fp8 else qs, ks, vs, doa, do8t if fp8 else doa,
+            sq, sk, sv, sdo, lse, delta, dk, dv_, cu_seqlens_q, cu_seqlens_k,
+            *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
-            *dq_acc.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, ATOMIC_DQ=atomic,
-            num_warps=kv_w, num_stages=kv_s, **common,
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, HALVES=2 if kv_halves else 1,
+            num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
-    if atomic:
-        dq.copy_(dq_acc)
     return _ret()

@@ -20,7 +20,31 @@ import triton
 import triton.language as tl
 
 from ._fp8 import cast_to, tile_scale, to_fp8
-from .forward import _key_ranges, _load_2d, _per_row, _visible
+from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible
+
+
+@triton.jit
+def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, offs_m, offs_n, n, m, window,
+          BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+          MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
+          INTERP: tl.constexpr, ONE_TILE: tl.constexpr):
+    """P = exp(S - LSE) and dP (fp32, scales applied) for query rows offs_m and keys offs_n; also returns k."""
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
+                 MASK, BLOCK_DQK != DQK)
+    v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
+                 MASK, BLOCK_DV != DV)
+    if INTERP and not FP8:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * _per_row(s_f, ONE_TILE)
+    dp = tl.dot(do, tl.trans(v))
+    if FP8:
+        dp = dp * _per_row(dp_f, ONE_TILE)
+    if MASK:
+        s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+    return tl.exp2(s - lse2[:, None]), dp, k
 
 
 @triton.jit
@@ -30,56 +54,69 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
               FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr):
+              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr, HALVES: tl.constexpr):
+    """HALVES=2: each key tile is computed as two half-width sub-tiles (S, dP of one half live at a time:
+    fewer registers); the dS scale still covers the whole DS_Q x BLOCK_N tile, as the contract says."""
+    W: tl.constexpr = BLOCK_N // HALVES
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
-                     MASK, BLOCK_DQK != DQK)
-        v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
-                     MASK, BLOCK_DV != DV)
-        if INTERP and not FP8:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k))
-        dp = tl.dot(do, tl.trans(v))
+        offs_n = start_n + tl.arange(0, W)
         # ONE_TILE (BLOCK_M == DS_Q): row_f, dp_f, c_dq are scalars (one quantization tile holds the
         # block's rows); otherwise per-row vectors. Scalars keep the 64-row kernel's registers low.
+        s_f = row_f
+        dpf = dp_f
         if FP8:
-            s = qk * _per_row(row_f * tl.load(SK + start_n), ONE_TILE)
-            dp = dp * _per_row(dp_f * tl.load(SV + start_n), ONE_TILE)
-        else:
-            s = qk * _per_row(row_f, ONE_TILE)
-        if MASK:
-            s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
+            s_f = row_f * tl.load(SK + start_n)
+            dpf = dp_f * tl.load(SV + start_n)
+        p, dp, k = _p_dp(q, do, lse2, s_f, dpf, K, V, skn, skd, svn, svd, offs_m, offs_n, n, m, window,
+                         BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP, ONE_TILE)
         if PASS1:
             delta += tl.sum(p * dp, 1)
+            if HALVES == 2:
+                p, dp, k = _p_dp(q, do, lse2, s_f, dpf, K, V, skn, skd, svn, svd, offs_m, offs_n + W, n, m,
+                                 window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP,
+                                 ONE_TILE)
+                delta += tl.sum(p * dp, 1)
         else:
             ds = p * (dp - delta[:, None])
             if ROW_SUMS:
                 rs += tl.sum(ds, 1)
                 ra += tl.sum(tl.abs(ds), 1)
+            if HALVES == 2:
+                p, dp, k2 = _p_dp(q, do, lse2, s_f, dpf, K, V, skn, skd, svn, svd, offs_m, offs_n + W, n, m,
+                                  window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP,
+                                  ONE_TILE)
+                ds2 = p * (dp - delta[:, None])
+                if ROW_SUMS:
+                    rs += tl.sum(ds2, 1)
+                    ra += tl.sum(tl.abs(ds2), 1)
             if FP8:
                 # one dynamic scale per dS tile of DS_Q rows x BLOCK_N keys (BLOCK_M holds 1 or 2 of them)
                 amax = tl.max(tl.abs(ds), 1)
+                if HALVES == 2:
+                    amax = tl.maximum(amax, tl.max(tl.abs(ds2), 1))
                 if ONE_TILE:
                     sds = tile_scale(tl.max(amax, 0), FMAX, POW2)
                 else:
                     sub = tile_scale(tl.max(tl.reshape(amax, (BLOCK_M // DS_Q, DS_Q)), 1), FMAX, POW2)
                     sds = tl.reshape(tl.broadcast_to(sub[:, None], (BLOCK_M // DS_Q, DS_Q)), (BLOCK_M,))
-                ds8 = to_fp8(ds / _per_row(sds, ONE_TILE), E5M2, INTERP)
+                # multiply by 1/sds: Triton's fp32 `/` is div.full.f32, one MUFU op per element, and the MUFU
+                # unit is already busy with exp2 (the reciprocal is per tile; pow2 scales make it exact)
+                r = _per_row(1.0 / sds, ONE_TILE)
+                c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
                 kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
                               MASK, BLOCK_DQK != DQK)
-                c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
-                dq = tl.dot(ds8, kt, dq * _per_row(c_dq / c, ONE_TILE))
+                dq = tl.dot(to_fp8(ds * r, E5M2, INTERP), kt, dq * _per_row(c_dq / c, ONE_TILE))
+                if HALVES == 2:
+                    kt = _load_2d(KT + (offs_n + W)[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n + W, offs_dqk,
+                                  m, DQK, MASK, BLOCK_DQK != DQK)
+                    dq = tl.dot(to_fp8(ds2 * r, E5M2, INTERP), kt, dq)
                 c_dq = c
-            elif INTERP:
-                dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(tl.float32), k, dq)
             else:
-                dq = tl.dot(ds.to(K.dtype.element_ty), k, dq)
+                dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(k.dtype), k, dq)
+                if HALVES == 2:
+                    dq = tl.dot(cast_to(ds2, K.dtype.element_ty, INTERP).to(k2.dtype), k2, dq)
     return dq, c_dq, delta, rs, ra
 
 
@@ -90,22 +127,22 @@ def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
               DQK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr,
               E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr, DS_Q: tl.constexpr,
-              ONE_TILE: tl.constexpr):
+              ONE_TILE: tl.constexpr, HALVES: tl.constexpr):
     """One pass over a query block's visible key tiles: the window's masked edge [lo, mid_lo) (only with a
     window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
     if HAS_WINDOW:
         dq, c_dq, delta, rs, ra = _dq_inner(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
             start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-            HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+            HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
         start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
-        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
         start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
     return dq, c_dq, delta, rs, ra
 
 
@@ -120,7 +157,7 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     INTERP: tl.constexpr, DS_Q: tl.constexpr, ONE_TILE: tl.constexpr,  # ONE_TILE: BLOCK_M == DS_Q
-    COMPUTE_DQ: tl.constexpr,  # False: the correction pass alone (dQ comes from the dK/dV kernel's atomics)
+    HALVES: tl.constexpr,  # 1, or 2: each key tile in two half-width sub-tiles (fewer live registers)
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -128,16 +165,7 @@ def _bwd_dq_kernel(
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUPS
-    if VARLEN:
-        q0 = tl.load(CUQ + pid_s)
-        n = tl.load(CUQ + pid_s + 1) - q0
-        k0 = tl.load(CUK + pid_s)
-        m = tl.load(CUK + pid_s + 1) - k0
-    else:
-        q0 = 0
-        n = N
-        k0 = 0
-        m = M
+    q0, n, k0, m = _seq_bounds(CUQ, CUK, pid_s, N, M, VARLEN)
     start_m = pid_m * BLOCK_M
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -195,16 +223,15 @@ def _bwd_dq_kernel(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
             skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-    if COMPUTE_DQ:
-        dq, c_dq, delta, rs, ra = _dq_sweep(
-            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-            skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-        dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
-        tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
-                 cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
+    dq, c_dq, delta, rs, ra = _dq_sweep(
+        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+        skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
+        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
+    dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
+    tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
+             cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DELTA + row0 + offs_m, delta, mask=rmask)
     if ROW_SUMS:
         tl.store(RS + row0 + offs_m, rs, mask=rmask)
@@ -236,113 +263,126 @@ def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, w
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, kt, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, DQA, col_f, dp_f, dq_f,
-                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, sdqd,
+def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, offs_m, offs_n, n, m, window,
+            BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
+            MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
+            INTERP: tl.constexpr):
+    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m; also the loaded q, dO."""
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
+                 MASK, BLOCK_DQK != DQK)
+    do = _load_2d(DO + offs_m[:, None] * sdon + offs_dv[None, :] * sdod, offs_m, offs_dv, n, DV,
+                  MASK, BLOCK_DV != DV)
+    if INTERP and not FP8:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    if MASK:
+        lse = tl.load(LSE + offs_m, mask=offs_m < n, other=float("inf"))
+        delta = tl.load(DELTA + offs_m, mask=offs_m < n, other=0.0)
+    else:
+        lse = tl.load(LSE + offs_m)
+        delta = tl.load(DELTA + offs_m)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    st = tl.dot(k, tl.trans(q)) * st_f  # S^T (keys x queries)
+    dpt = tl.dot(v, tl.trans(do))
+    if FP8:
+        dpt = dpt * dp_f
+    if MASK:  # _visible, transposed: (keys, queries)
+        vis = offs_n[:, None] < m
+        if CAUSAL:
+            pos = offs_m[None, :] + (m - n)
+            vis = vis & (offs_n[:, None] <= pos)
+            if HAS_WINDOW:
+                vis = vis & (offs_n[:, None] > pos - window)
+        st = tl.where(vis, st, float("-inf"))
+    pt = tl.exp2(st - lse2[None, :])
+    return pt, pt * (dpt - delta[None, :]), q, do
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
+                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd,
                 start_n, lo, hi, n, m, window,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
                 FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr):
+                HALVES: tl.constexpr):
+    """HALVES=2: each query tile as two half-height sub-tiles (fewer live registers); one dS scale per whole
+    BLOCK_M x BLOCK_N tile, as the contract says."""
+    W: tl.constexpr = BLOCK_M // HALVES
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
-                     MASK, BLOCK_DQK != DQK)
-        do = _load_2d(DO + offs_m[:, None] * sdon + offs_dv[None, :] * sdod, offs_m, offs_dv, n, DV,
-                      MASK, BLOCK_DV != DV)
-        if INTERP and not FP8:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        if MASK:
-            lse = tl.load(LSE + offs_m, mask=offs_m < n, other=float("inf"))
-            delta = tl.load(DELTA + offs_m, mask=offs_m < n, other=0.0)
-        else:
-            lse = tl.load(LSE + offs_m)
-            delta = tl.load(DELTA + offs_m)
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        st = tl.dot(k, tl.trans(q))  # S^T (keys x queries)
-        dpt = tl.dot(v, tl.trans(do))
+        offs_m = start_m + tl.arange(0, W)
+        st_f = col_f
+        dpf = dp_f
         if FP8:
             sq_t = tl.load(SQ + start_m)  # one quantization tile holds the whole 64-row query tile
             sdo_t = tl.load(SDO + start_m)
-            st = st * (col_f * sq_t)
-            dpt = dpt * (dp_f * sdo_t)
-        else:
-            st = st * col_f
-        if MASK:  # _visible, transposed: (keys, queries)
-            vis = offs_n[:, None] < m
-            if CAUSAL:
-                pos = offs_m[None, :] + (m - n)
-                vis = vis & (offs_n[:, None] <= pos)
-                if HAS_WINDOW:
-                    vis = vis & (offs_n[:, None] > pos - window)
-            st = tl.where(vis, st, float("-inf"))
-        pt = tl.exp2(st - lse2[None, :])
-        dst = pt * (dpt - delta[None, :])
+            st_f = col_f * sq_t
+            dpf = dp_f * sdo_t
+        pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m, offs_n, n, m,
+                                 window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP)
         if FP8:
-            qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
-                          MASK, BLOCK_DQK != DQK)
-            dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
-                            MASK, BLOCK_DV != DV)
             # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
             cv = sdo_t / 256.0
+            dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
+                            MASK, BLOCK_DV != DV)
             dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv * (c_dv / cv))
             c_dv = cv
-            sds = tile_scale(tl.max(tl.max(tl.abs(dst), 1), 0), FMAX, POW2)
+            amax = tl.max(tl.max(tl.abs(dst), 1), 0)
+            if HALVES == 2:
+                pt, dst2, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m + W,
+                                          offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL,
+                                          HAS_WINDOW, FP8, INTERP)
+                dot_ = _load_2d(DOT + (offs_m + W)[:, None] * dtn + offs_dv[None, :] * dtd, offs_m + W, offs_dv,
+                                n, DV, MASK, BLOCK_DV != DV)
+                dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv)
+                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(dst2), 1), 0))
+            sds = tile_scale(amax, FMAX, POW2)
+            r = 1.0 / sds  # multiply, not divide per element (see _dq_inner)
             ck = sds * sq_t
-            ds8t = to_fp8(dst / sds, E5M2, INTERP)
-            dk = tl.dot(ds8t, qt, dk * (c_dk / ck))
+            qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
+                          MASK, BLOCK_DQK != DQK)
+            dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / ck))
+            if HALVES == 2:
+                qt = _load_2d(QT + (offs_m + W)[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m + W, offs_dqk,
+                              n, DQK, MASK, BLOCK_DQK != DQK)
+                dk = tl.dot(to_fp8(dst2 * r, E5M2, INTERP), qt, dk)
             c_dk = ck
-            if ATOMIC_DQ:  # dQ_I += (dS8 @ k8_J) * sds * sk * softmax_scale, the same dS8 as dK's
-                dqp = tl.dot(tl.trans(ds8t), kt) * (sds * dq_f)
         else:
-            if INTERP:
-                ptq = cast_to(pt, Q.dtype.element_ty, INTERP).to(tl.float32)
-                dsq = cast_to(dst, Q.dtype.element_ty, INTERP).to(tl.float32)
-            else:
-                ptq = pt.to(Q.dtype.element_ty)
-                dsq = dst.to(Q.dtype.element_ty)
-            dv = tl.dot(ptq, do, dv)
-            dk = tl.dot(dsq, q, dk)
-            if ATOMIC_DQ:
-                dqp = tl.dot(tl.trans(dsq), k) * dq_f
-        if ATOMIC_DQ:
-            tl.atomic_add(DQA + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd, dqp,
-                          mask=(offs_m[:, None] < n) & (offs_dqk[None, :] < DQK))
+            dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
+            dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
+            if HALVES == 2:
+                pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m + W,
+                                         offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL,
+                                         HAS_WINDOW, FP8, INTERP)
+                dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
+                dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
     return dk, dv, c_dk, c_dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, QT, K, KT, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DK, DV, DQA, CUQ, CUK,
-    sqb, sqh, sqn, sqd, qtb, qth, qtn, qtd, skb, skh, skn, skd, ktb, kth, ktn, ktd, svb, svh, svn, svd,
+    Q, QT, K, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DK, DV, CUQ, CUK,
+    sqb, sqh, sqn, sqd, qtb, qth, qtn, qtd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, dtb, dth, dtn, dtd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    sdqb, sdqh, sdqn, sdqd,
     Hq, Hkv, N, M, softmax_scale, window,
     GROUPS: tl.constexpr, DQK: tl.constexpr, DV_: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,  # also dQ, by fp32 atomic adds into DQA (B, Hq, N, Dqk): no dQ kernel pass
+    HALVES: tl.constexpr,  # 1, or 2: each query tile in two half-height sub-tiles (fewer live registers)
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
     pid_s = tl.program_id(2)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
-    if VARLEN:
-        q0 = tl.load(CUQ + pid_s)
-        n = tl.load(CUQ + pid_s + 1) - q0
-        k0 = tl.load(CUK + pid_s)
-        m = tl.load(CUK + pid_s + 1) - k0
-    else:
-        q0 = 0
-        n = N
-        k0 = 0
-        m = M
+    q0, n, k0, m = _seq_bounds(CUQ, CUK, pid_s, N, M, VARLEN)
     start_n = pid_n * BLOCK_N
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
@@ -360,17 +400,10 @@ def _bwd_dkdv_kernel(
         v = v.to(tl.float32)
     col_f = softmax_scale * 1.4426950408889634
     dp_f = 1.0
-    dq_f = softmax_scale
-    kt = k
     if FP8:
         kv_row = (b64 * Hkv + hk) * M + k0 + start_n
-        sk_t = tl.load(SK + kv_row, mask=start_n < m, other=1.0)
-        col_f = col_f * sk_t
-        dq_f = dq_f * sk_t
+        col_f = col_f * tl.load(SK + kv_row, mask=start_n < m, other=1.0)
         dp_f = tl.load(SV + kv_row, mask=start_n < m, other=1.0)
-        if ATOMIC_DQ:  # k token-major: the K-major B operand of dS8 @ k8 (contraction over keys)
-            kt = _load_2d(KT + b64 * ktb + hk64 * kth + k064 * ktn + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd,
-                          offs_n, offs_dqk, m, DQK, True, BLOCK_DQK != DQK)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of c_dk, c_dv (the last tile scales)
@@ -392,22 +425,21 @@ def _bwd_dkdv_kernel(
         SDOg = SDO + bh * N + q0
         LSEg = LSE + bh * N + q0
         DELTAg = DELTA + bh * N + q0
-        DQAg = DQA + b64 * sdqb + h64 * sdqh + q064 * sdqn
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, kt, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DQAg, col_f, dp_f, dq_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, sdqd, start_n, lo, mid_lo, n, m, window,
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            ATOMIC_DQ)
+            HALVES)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, kt, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DQAg, col_f, dp_f, dq_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, sdqd, start_n, mid_lo, mid_hi, n, m, window,
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            ATOMIC_DQ)
+            HALVES)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, kt, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DQAg, col_f, dp_f, dq_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, sdqd, start_n, mid_hi, hi, n, m, window,
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            ATOMIC_DQ)
+            HALVES)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m

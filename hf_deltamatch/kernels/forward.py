@@ -57,6 +57,22 @@ def _visible(rows, cols, n, m, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.cons
 
 
 @triton.jit
+def _seq_bounds(CUQ, CUK, pid_s, N, M, VARLEN: tl.constexpr):
+    """(first query row, query count, first key row, key count) of this program's sequence."""
+    if VARLEN:
+        q0 = tl.load(CUQ + pid_s)
+        n = tl.load(CUQ + pid_s + 1) - q0
+        k0 = tl.load(CUK + pid_s)
+        m = tl.load(CUK + pid_s + 1) - k0
+    else:
+        q0 = 0
+        n = N
+        k0 = 0
+        m = M
+    return q0, n, k0, m
+
+
+@triton.jit
 def _key_ranges(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, window,
                 CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Key-tile bounds (multiples of BLOCK_N) for query rows [start_m, start_m + BLOCK_M): lo, mid_lo, mid_hi, hi."""
@@ -102,22 +118,26 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))
+        f = row_f  # log2-domain score factor (scalar or per row); > 0, so max(qk) * f == max(qk * f) exactly
         if FP8:
-            s = qk * _per_row(row_f * tl.load(SK + start_n), BLOCK_M <= BLOCK_N)  # sk: one per key tile
-        else:
-            s = qk * _per_row(row_f, BLOCK_M <= BLOCK_N)
+            f = row_f * tl.load(SK + start_n)  # sk: one scale per key tile
         if MASK:
-            s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            qk = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * f)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: P = 0
-        p = tl.exp2(s - m_safe[:, None])
+        # One FFMA per score for S - max. fp8: P * 256 = exp2(S - max + 8), the static P scale folded into the
+        # exponent, so l_i counts in units of 1/256 (undone exactly at the end).
+        bias = m_safe
+        if FP8:
+            bias = m_safe - 8.0
+        p = tl.exp2(qk * _per_row(f, BLOCK_M <= BLOCK_N) - bias[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8:
             # acc is kept in units of the current tile's sv / 256 (c_acc) so the MMA accumulates straight
             # into it: no second 128 x D fp32 tile of registers for the product (that spilled).
             c = tl.load(SV + start_n) / 256.0
-            acc = tl.dot(to_fp8(p * 256.0, False, INTERP), v, acc * (alpha * (c_acc / c))[:, None])
+            acc = tl.dot(to_fp8(p, False, INTERP), v, acc * (alpha * (c_acc / c))[:, None])
             c_acc = c
         elif INTERP:
             acc = tl.dot(cast_to(p, V.dtype.element_ty, INTERP).to(tl.float32), v, acc * alpha[:, None])
@@ -144,16 +164,7 @@ def _fwd_kernel(
     b = pid_bh // Hq
     h = pid_bh % Hq
     hk = h // GROUPS
-    if VARLEN:
-        q0 = tl.load(CUQ + pid_s)
-        n = tl.load(CUQ + pid_s + 1) - q0
-        k0 = tl.load(CUK + pid_s)
-        m = tl.load(CUK + pid_s + 1) - k0
-    else:
-        q0 = 0
-        n = N
-        k0 = 0
-        m = M
+    q0, n, k0, m = _seq_bounds(CUQ, CUK, pid_s, N, M, VARLEN)
     start_m = pid_m * BLOCK_M
     b64 = b.to(tl.int64)
     Qb = Q + b64 * sqb + h.to(tl.int64) * sqh + q0.to(tl.int64) * sqn
@@ -196,6 +207,8 @@ def _fwd_kernel(
                                start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
                                DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP)
 
+    if FP8:
+        l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
     has = l_i > 0.0
     l_safe = tl.where(has, l_i, 1.0)
     out = acc * (c_acc / l_safe)[:, None]
