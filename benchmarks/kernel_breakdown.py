@@ -100,7 +100,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--variants", default="", help="semicolon-separated TUNE dicts to try on --variant-shapes")
+    p.add_argument("--variants", default="", help="semicolon-separated kernels.TUNE dicts to try on --variant-shapes; "
+                   "'SHAPE=DICT' tries DICT on SHAPE only")
     p.add_argument("--variant-shapes", default="d128-causal")
     args = p.parse_args()
     rows, lines = [], []
@@ -125,7 +126,11 @@ def main():
             ks = {**{"F:" + k_: v_ for k_, v_ in r["fwd_kernels"].items()},
                   **{"B:" + k_: v_ for k_, v_ in r["bwd_kernels"].items()}}
             lines.append("      " + "  ".join(f"{k_}={v_:.3f}" for k_, v_ in sorted(ks.items(), key=lambda x: -x[1])))
-    for var, vshape in [(v_, s_) for s_ in args.variant_shapes.split(",") for v_ in args.variants.split(";") if v_]:
+    todo = []  # (TUNE dict text, shape): "SHAPE=DICT" runs on SHAPE only, a bare DICT on every --variant-shapes
+    for v_ in filter(None, args.variants.split(";")):
+        shape_, _, dict_ = v_.partition("=") if "=" in v_.split("{")[0] else ("", "", v_)
+        todo += [(dict_, s_) for s_ in (shape_.split(",") if shape_ else args.variant_shapes.split(","))]
+    for var, vshape in todo:
         K.TUNE.clear()
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         try:
