@@ -96,6 +96,14 @@ def sdpa(B, Hq, Hkv, N, D, causal, backend):
     return dict(fwd_ms=t_fwd, total_ms=t_all)
 
 
+class _Lines(list):
+    """The report's lines, also printed as they come (a run killed at its time limit still shows them)."""
+
+    def append(self, line):
+        print(line, flush=True)
+        super().append(line)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -104,7 +112,7 @@ def main():
                    "'SHAPE=DICT' tries DICT on SHAPE only")
     p.add_argument("--variant-shapes", default="d128-causal")
     args = p.parse_args()
-    rows, lines = [], []
+    rows, lines = [], _Lines()
     for name in args.shapes.split(","):
         B, Hq, Hkv, N, D, causal = SHAPES[name]
         base = sdpa(B, Hq, Hkv, N, D, causal, "cudnn")
@@ -153,7 +161,6 @@ def main():
     text = "\n".join([f"# kernel breakdown {meta}", "ms (TFLOP/s)", *lines])
     with open(os.path.join(args.out, f"kernel-breakdown-{stamp}.md"), "w") as fh:
         fh.write("```\n" + text + "\n```\n")
-    print(text)
 
 
 if __name__ == "__main__":
