@@ -58,9 +58,9 @@ def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
         base = (64, 4, 2, 8, 3)
     else:
         base = (64, 8, 1, 16, 1)
-    # Tiles in halves (fewer live registers) where sm_90 spills drop (benchmarks/sm90_registers.py):
-    # D=128 dq 1056 -> 480 B, dkdv 776 -> 480 B; not at D=64 (no spills to save) or D=256 (more spills).
-    halves = 64 < d <= 128
+    # Tiles in halves cut sm_90 spills (D=128: dq 1056 -> 480 B, dkdv 776 -> 480 B) but ran slower on the
+    # H200 (D=128 causal: dq 2.19 -> 2.30 ms, dkdv 2.39 -> 3.03 ms; D=64 worse too): off.
+    halves = False
     return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]), TUNE.get("dq_halves", halves),
             TUNE.get("dkdv_halves", halves))
 
