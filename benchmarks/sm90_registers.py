@@ -98,15 +98,13 @@ def main():
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         c = common(args.d, fp8, True)
         fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
-        dm, dw, ds, kw, ks, dh, kh = K._bwd_launch_cfg(args.d, args.d, fp8)
+        dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block), fw, fs),
             "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
-                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
-                                        HALVES=2 if dh else 1), dw, ds),
-            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block,
-                                            HALVES=2 if kh else 1), kw, ks),
+                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q), dw, ds),
+            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block), kw, ks),
         }
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]

@@ -184,17 +184,3 @@ def test_dq_block_of_two_ds_tiles():
         _run(N=150, causal=False)
     finally:
         K.TUNE.clear()
-
-
-@pytest.mark.parametrize("precision", ["fp8", "bf16"])
-def test_tiles_in_halves(precision):
-    """dQ/correction kernel: each key tile as two half-width sub-tiles; dK/dV kernel: each query tile as two
-    half-height sub-tiles. One dS scale per whole tile either way, so the contract is unchanged."""
-    K.TUNE.update(dq_halves=True, dkdv_halves=True)
-    try:
-        _run(N=200, M=230, Hq=4, Hkv=2, precision=precision)
-        _run(N=260, cu=([0, 70, 71, 200, 260], [0, 70, 71, 200, 260]), window=40, block=64)
-        K.TUNE["dq"] = (128, 8, 2)  # and with two dS tiles per block
-        _run(N=150, causal=False)
-    finally:
-        K.TUNE.clear()

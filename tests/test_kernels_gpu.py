@@ -158,14 +158,3 @@ def test_long_65536_runs():
     f = K.forward(q, k, v, **kw)
     g = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
     assert all(torch.isfinite(t).all() for t in (f[0], *g))
-
-
-def test_tile_halves_both_ways():
-    """The half sub-tile loops (default at D=128) off at D=128 and on at D=64: both code paths on the GPU."""
-    try:
-        K.TUNE.update(dq_halves=False, dkdv_halves=False)
-        _compare(B=2, Hq=8, Hkv=2, N=2048, Dqk=128)
-        K.TUNE.update(dq_halves=True, dkdv_halves=True)
-        _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, cu=[0, 700, 701, 2048], window=300)
-    finally:
-        K.TUNE.clear()

@@ -28,9 +28,7 @@ DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.D
 
 # Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py, benchmarks/sm90_registers.py):
 # {"fwd": (BLOCK_M, warps, stages), "dq": (BLOCK_M, warps, stages), "dkdv": (warps, stages), and per kernel
-# "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM);
-# "dq_halves" / "dkdv_halves": True/False, whether the dQ / dK-dV kernel's loop splits each tile into two half
-# sub-tiles (default: at 64 < D <= 128)}.
+# "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM)}.
 # Empty in normal use.
 TUNE: dict = {}
 
@@ -52,17 +50,13 @@ def _maxnreg(kernel: str) -> dict:
 
 
 def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
-    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages, dq halves, dkdv halves)."""
+    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages)."""
     d = max(dqk, dv)
     if d <= 128:  # H200 N=8192 causal D=128: dq (64, 4, 2) 2.30 ms, (128, 8, 2) 2.48, (64, 8, 2) 4.19
         base = (64, 4, 2, 8, 3)
     else:
         base = (64, 8, 1, 16, 1)
-    # Tiles in halves cut sm_90 spills (D=128: dq 1056 -> 480 B, dkdv 776 -> 480 B) but ran slower on the
-    # H200 (D=128 causal: dq 2.19 -> 2.30 ms, dkdv 2.39 -> 3.03 ms; D=64 worse too): off.
-    halves = False
-    return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]), TUNE.get("dq_halves", halves),
-            TUNE.get("dkdv_halves", halves))
+    return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]))
 
 
 def supports(q, k, v, window, config) -> str | None:
@@ -192,7 +186,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     else:
         doa = do
         sq = sk = sv = sdo = delta  # unused
-    dq_m, dq_w, dq_s, kv_w, kv_s, dq_halves, kv_halves = _bwd_launch_cfg(dqk, dv, fp8)
+    dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8)
     common = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
                   CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
@@ -211,7 +205,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, HALVES=2 if dq_halves else 1,
+            ONE_TILE=dq_m == DS_TILE_Q,
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
@@ -225,7 +219,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, HALVES=2 if kv_halves else 1,
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T,
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()

@@ -54,14 +54,11 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
               FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr, HALVES: tl.constexpr):
-    """HALVES=2: each key tile is computed as two half-width sub-tiles (S, dP of one half live at a time:
-    fewer registers); the dS scale still covers the whole DS_Q x BLOCK_N tile, as the contract says."""
-    W: tl.constexpr = BLOCK_N // HALVES
+              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, W)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
         # ONE_TILE (BLOCK_M == DS_Q): row_f, dp_f, c_dq are scalars (one quantization tile holds the
         # block's rows); otherwise per-row vectors. Scalars keep the 64-row kernel's registers low.
         s_f = row_f
@@ -73,29 +70,14 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                          BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP, ONE_TILE)
         if PASS1:
             delta += tl.sum(p * dp, 1)
-            if HALVES == 2:
-                p, dp, k = _p_dp(q, do, lse2, s_f, dpf, K, V, skn, skd, svn, svd, offs_m, offs_n + W, n, m,
-                                 window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP,
-                                 ONE_TILE)
-                delta += tl.sum(p * dp, 1)
         else:
             ds = p * (dp - delta[:, None])
             if ROW_SUMS:
                 rs += tl.sum(ds, 1)
                 ra += tl.sum(tl.abs(ds), 1)
-            if HALVES == 2:
-                p, dp, k2 = _p_dp(q, do, lse2, s_f, dpf, K, V, skn, skd, svn, svd, offs_m, offs_n + W, n, m,
-                                  window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP,
-                                  ONE_TILE)
-                ds2 = p * (dp - delta[:, None])
-                if ROW_SUMS:
-                    rs += tl.sum(ds2, 1)
-                    ra += tl.sum(tl.abs(ds2), 1)
             if FP8:
                 # one dynamic scale per dS tile of DS_Q rows x BLOCK_N keys (BLOCK_M holds 1 or 2 of them)
                 amax = tl.max(tl.abs(ds), 1)
-                if HALVES == 2:
-                    amax = tl.maximum(amax, tl.max(tl.abs(ds2), 1))
                 if ONE_TILE:
                     sds = tile_scale(tl.max(amax, 0), FMAX, POW2)
                 else:
@@ -108,15 +90,9 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                 kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
                               MASK, BLOCK_DQK != DQK)
                 dq = tl.dot(to_fp8(ds * r, E5M2, INTERP), kt, dq * _per_row(c_dq / c, ONE_TILE))
-                if HALVES == 2:
-                    kt = _load_2d(KT + (offs_n + W)[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n + W, offs_dqk,
-                                  m, DQK, MASK, BLOCK_DQK != DQK)
-                    dq = tl.dot(to_fp8(ds2 * r, E5M2, INTERP), kt, dq)
                 c_dq = c
             else:
                 dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(k.dtype), k, dq)
-                if HALVES == 2:
-                    dq = tl.dot(cast_to(ds2, K.dtype.element_ty, INTERP).to(k2.dtype), k2, dq)
     return dq, c_dq, delta, rs, ra
 
 
@@ -127,22 +103,22 @@ def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
               DQK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr,
               E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr, DS_Q: tl.constexpr,
-              ONE_TILE: tl.constexpr, HALVES: tl.constexpr):
+              ONE_TILE: tl.constexpr):
     """One pass over a query block's visible key tiles: the window's masked edge [lo, mid_lo) (only with a
     window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
     if HAS_WINDOW:
         dq, c_dq, delta, rs, ra = _dq_inner(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
             start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-            HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
+            HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
         start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
-        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
+        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
         start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
+        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
     return dq, c_dq, delta, rs, ra
 
 
@@ -157,7 +133,6 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     INTERP: tl.constexpr, DS_Q: tl.constexpr, ONE_TILE: tl.constexpr,  # ONE_TILE: BLOCK_M == DS_Q
-    HALVES: tl.constexpr,  # 1, or 2: each key tile in two half-width sub-tiles (fewer live registers)
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -223,12 +198,12 @@ def _bwd_dq_kernel(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
             skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
     dq, c_dq, delta, rs, ra = _dq_sweep(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
         skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
         BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, HALVES)
+        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
     dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
@@ -307,16 +282,12 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-                HALVES: tl.constexpr):
-    """HALVES=2: each query tile as two half-height sub-tiles (fewer live registers); one dS scale per whole
-    BLOCK_M x BLOCK_N tile, as the contract says."""
-    W: tl.constexpr = BLOCK_M // HALVES
+                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, W)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
         st_f = col_f
         dpf = dp_f
         if FP8:
@@ -334,34 +305,16 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
             dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv * (c_dv / cv))
             c_dv = cv
             amax = tl.max(tl.max(tl.abs(dst), 1), 0)
-            if HALVES == 2:
-                pt, dst2, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m + W,
-                                          offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL,
-                                          HAS_WINDOW, FP8, INTERP)
-                dot_ = _load_2d(DOT + (offs_m + W)[:, None] * dtn + offs_dv[None, :] * dtd, offs_m + W, offs_dv,
-                                n, DV, MASK, BLOCK_DV != DV)
-                dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv)
-                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(dst2), 1), 0))
             sds = tile_scale(amax, FMAX, POW2)
             r = 1.0 / sds  # multiply, not divide per element (see _dq_inner)
             ck = sds * sq_t
             qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
                           MASK, BLOCK_DQK != DQK)
             dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / ck))
-            if HALVES == 2:
-                qt = _load_2d(QT + (offs_m + W)[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m + W, offs_dqk,
-                              n, DQK, MASK, BLOCK_DQK != DQK)
-                dk = tl.dot(to_fp8(dst2 * r, E5M2, INTERP), qt, dk)
             c_dk = ck
         else:
             dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
             dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
-            if HALVES == 2:
-                pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m + W,
-                                         offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL,
-                                         HAS_WINDOW, FP8, INTERP)
-                dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
-                dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
     return dk, dv, c_dk, c_dv
 
 
@@ -375,7 +328,6 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-    HALVES: tl.constexpr,  # 1, or 2: each query tile in two half-height sub-tiles (fewer live registers)
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
@@ -428,18 +380,15 @@ def _bwd_dkdv_kernel(
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            HALVES)
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            HALVES)
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            HALVES)
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m
