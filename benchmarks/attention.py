@@ -340,6 +340,26 @@ def _one_line(exc: BaseException, limit: int = 2000) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def saved_for_backward(fn):
+    """(fn(), MiB of the storages autograd saves for the backward of fn, the output's own storage excluded).
+
+    What an attention op holds from its forward to its backward is its share of a model's activation memory;
+    the output is excluded because the next layer (o_proj) keeps it anyway. Inputs the op saves count: without
+    the op they could be freed after the forward (q/k/v come out of RoPE, whose backward does not need them).
+    """
+    storages = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    storages.pop(out.untyped_storage().data_ptr(), None)
+    return out, sum(storages.values()) / 2**20
+
+
 def measure_op(name, shape: Shape, q, k, v, do, ref, args, log) -> dict:
     """Everything about one op on one shape; every failure is caught and recorded in the result."""
     device = q.device
@@ -363,7 +383,7 @@ def measure_op(name, shape: Shape, q, k, v, do, ref, args, log) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        out = fwd(q, k, v)
+        out, res["saved_mib"] = saved_for_backward(lambda: fwd(q, k, v))
         _sync(device)
         if device.type == "cuda":  # out plus whatever autograd keeps for the backward
             res["after_fwd_mib"] = (torch.cuda.memory_allocated() - base) / 2**20
@@ -659,30 +679,31 @@ def summary_md(report) -> list[str]:
 
 def detail_md(report) -> list[str]:
     lines = ["## Per op: ms (TFLOP/s), speed-up vs the base (fwd/bwd/fwd+bwd), peak memory, errors", "",
-             "| shape | op | fwd | bwd | fwd+bwd | × fwd/bwd/f+b | peak MiB | err out/dq/dk/dv | check |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | op | fwd | bwd | fwd+bwd | × fwd/bwd/f+b | peak MiB | saved MiB | err out/dq/dk/dv | check |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in report["shapes"]:
         if s.get("status") == "skipped":
-            lines.append(f"| {s['name']} | — | {s.get('reason', 'skipped')} | | | | | | |")
+            lines.append(f"| {s['name']} | — | {s.get('reason', 'skipped')} | | | | | | | |")
             continue
         for o in report["meta"]["ops"]:
             res = s["ops"].get(o)
             if res is None:
                 continue
             if res.get("status") == "skipped":
-                lines.append(f"| {s['name']} | {o} | skipped: {res.get('error', '')[:80]} | | | | | | |")
+                lines.append(f"| {s['name']} | {o} | skipped: {res.get('error', '')[:80]} | | | | | | | |")
                 continue
             if res.get("status") != "ok":
-                lines.append(f"| {s['name']} | {o} | failed at {res.get('stage')} (see Failures) | | | | | | |")
+                lines.append(f"| {s['name']} | {o} | failed at {res.get('stage')} (see Failures) | | | | | | | |")
                 continue
             sp = res.get("speedup_vs_base")
             sp_txt = "/".join(f"{sp[key]:.2f}" for key in ("fwd", "bwd", "fwdbwd")) if sp else "—"
             bwd = _ms_tf(res, "bwd") + ("†" if res.get("bwd_method") != "retained graph" else "")
             peak = f"{res['peak_mib']:.0f}" if _finite(res.get("peak_mib")) else "—"
+            saved = f"{res['saved_mib']:.0f}" if _finite(res.get("saved_mib")) else "—"
             err = res.get("err")
             err_txt = "/".join(f"{e:.1e}" for e in err.values()) if err else "—"
             lines.append(f"| {s['name']} | {o} | {_ms_tf(res, 'fwd')} | {bwd} | {_ms_tf(res, 'fwdbwd')} | {sp_txt} "
-                         f"| {peak} | {err_txt} | {res.get('check', '—')} |")
+                         f"| {peak} | {saved} | {err_txt} | {res.get('check', '—')} |")
     lines += ["", "bwd: backward alone, replayed on a retained graph; † = fwd+bwd minus fwd (the retained-graph "
                   "backward failed, see JSON)."]
     return lines + [""]
@@ -807,7 +828,9 @@ def main(argv=None) -> int:
             "ratio": "speed-up = base ms / op ms with base = %s measured in this run on the same inputs (> 1 = "
                      "faster)" % ("SDPA cuDNN BF16" if not args.dry_run else DRY_RUN_BASE),
             "memory": "peak = torch.cuda.max_memory_allocated() − memory_allocated() before one fwd+bwd (after "
-                      "reset_peak_memory_stats), inputs excluded, out and grads included",
+                      "reset_peak_memory_stats), inputs excluded, out and grads included; saved = storages autograd "
+                      "keeps from the forward for the backward (saved_tensors_hooks), inputs included, the output "
+                      "excluded (the next layer keeps it anyway): the op's share of activation memory",
             "check": f"ok when every error ≤ {ERR_BOUND['bf16']:g} (bf16 ops) / {ERR_BOUND['fp8']:g} (fp8 ops): "
                      "a sanity bound against fast-but-wrong kernels, not the test tolerance",
         },

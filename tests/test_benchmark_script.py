@@ -138,6 +138,9 @@ def test_dry_run_end_to_end(tmp_path):
             assert shape["ops"][name]["status"] == "skipped"
         # FP8 is visibly less accurate than the same algorithm in bf16 (the error columns are live)
         assert shape["ops"]["dm-fp8-matching"]["err"]["dq"] > 3 * shape["ops"]["dm-bf16"]["err"]["dq"]
+        # saved for backward: fp8 keeps 1-byte q8/k8/v8 (+ fp32 per-token scales, lse), bf16 mode the 2-byte inputs
+        saved = {name: shape["ops"][name]["saved_mib"] for name in ("dm-fp8-matching", "dm-bf16")}
+        assert 0 < saved["dm-fp8-matching"] < 0.65 * saved["dm-bf16"], saved
     assert "DRY RUN" in md_path.read_text()
     last = proc.stdout.rstrip().splitlines()[-1]
     assert last.startswith("| tiny-full:"), last  # the ANCHORS.md-style table is printed last
