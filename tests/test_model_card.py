@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,16 @@ def test_card_of_a_baseline_run_says_so(tmp_path):
     assert 'trained with `attn_implementation="sdpa"` (a baseline' in text
     assert "| attn_implementation | sdpa |" in text and "| delta |" not in text
     assert "No evaluation results were given." in text
+
+
+def test_default_template_ships_in_the_package():
+    """The default template is package data (pyproject), so `hf-deltamatch card` works from a wheel install."""
+    import tomllib
+
+    import hf_deltamatch
+    from hf_deltamatch.eval import model_card
+
+    pkg = Path(hf_deltamatch.__file__).parent
+    assert model_card.DEFAULT_TEMPLATE.is_file() and pkg in model_card.DEFAULT_TEMPLATE.parents
+    data = tomllib.loads((pkg.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert model_card.DEFAULT_TEMPLATE.name in data["hf_deltamatch.eval"]

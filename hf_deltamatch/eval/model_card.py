@@ -20,7 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "template.md"
+DEFAULT_TEMPLATE = Path(__file__).with_name("model_card_template.md")  # package data: works from a wheel too
 LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
 RULER_URL = "https://github.com/NVIDIA/RULER"
 METRIC_NAMES = {"acc": "accuracy", "acc_norm": "normalized accuracy", "perplexity": "perplexity",
@@ -273,7 +273,7 @@ def write_card(run_dir: Path, eval_paths: list[Path], output_dir: Path | None = 
     name = model_name or run.summary.get("name") or run.recipe.get("run_name") or run_dir.resolve().name
     template = template or DEFAULT_TEMPLATE
     if not template.is_file():
-        raise CardError(f"model card template {template} not found; pass --template model_cards/template.md")
+        raise CardError(f"model card template {template} not found; pass --template PATH (a Jinja model card template)")
 
     curve = loss_curve(run.metrics, output_dir / "loss_curve.png")
     evals = eval_results(results)
