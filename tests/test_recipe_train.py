@@ -335,3 +335,34 @@ def test_unreachable_hub_dataset_is_a_clear_error(tmp_path, corpus, monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ConfigError, match="could not load hub dataset 'someuser/somedataset'"):
         run_inprocess(tiny_args(tmp_path, corpus, data="someuser/somedataset"))
+
+
+@needs_dm
+def test_fp8_linear_layers_train(corpus, tmp_path):
+    """--fp8_linear: torchao float8 training for every Linear but the LM head (CPU emulates the FP8 GEMMs);
+    with deltamatch_fp8 attention that is the fully 8-bit configuration. The loss still falls."""
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from hf_deltamatch.training.data import load_tokenizer
+    from hf_deltamatch.training.modeling import build_model
+
+    cfg = tiny_args(tmp_path, corpus, fp8_linear=True, attn="deltamatch_fp8", precision="fp8", delta="matching")
+    s = run_inprocess(cfg)
+    recs = [r for r in metrics(tmp_path / "run") if r["kind"] == "train"]
+    first, last3 = recs[0]["loss"], sum(r["loss"] for r in recs[-3:]) / 3
+    assert s["steps"] == 12 and last3 < first - 0.5, f"loss did not fall: {first:.3f} -> {last3:.3f}"
+    tc = parse_config(to_argv(cfg))
+    model = build_model(tc, load_tokenizer(tc))
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    plain = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    assert fp8 and all("lm_head" not in n for n in fp8) and any("lm_head" in n for n in plain), (fp8, plain)
+
+
+def test_fp8_linear_without_torchao_fails_fast(corpus, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(ConfigError, match="needs torchao"):
+        parse_config(to_argv(tiny_args(tmp_path, corpus, fp8_linear=True)))
