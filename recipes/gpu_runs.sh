@@ -46,16 +46,8 @@ T0=$(date +%s)
 stamp() { echo "[gpu_runs $(( $(date +%s) - T0 ))s] $*"; }
 
 # ---- packages --------------------------------------------------------------------------------------------
-if ! "$PY" -c "import datasets" 2>/dev/null; then
-  WHEELS=${WHEELS:-$REPO/.whl}
-  if [ -d "$WHEELS" ]; then
-    stamp "installing datasets from $WHEELS (offline)"
-    "$PY" -m pip install --no-index --find-links "$WHEELS" datasets
-  else
-    echo "error: the 'datasets' package is missing; pip install it, or put its wheels (and deps) in $WHEELS" >&2
-    exit 2
-  fi
-fi
+source "$REPO/recipes/_common.sh"
+ensure_datasets
 
 if [ "$MODEL" = dense ]; then CFG=recipes/configs/dense-small.yaml; else CFG=recipes/configs/hybrid-small.yaml; fi
 export GPU_RUNS_CFG=$CFG

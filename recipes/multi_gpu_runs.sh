@@ -67,16 +67,8 @@ done
 command -v timeout >/dev/null || { echo "error: needs coreutils 'timeout'" >&2; exit 2; }
 
 # ---- packages --------------------------------------------------------------------------------------------
-if ! "$PY" -c "import datasets" 2>/dev/null; then
-  WHEELS=${WHEELS:-$REPO/.whl}
-  if [ -d "$WHEELS" ]; then
-    stamp "installing datasets from $WHEELS (offline)"
-    "$PY" -m pip install --no-index --find-links "$WHEELS" datasets
-  else
-    echo "error: the 'datasets' package is missing; pip install it, put it on PYTHONPATH, or its wheels in $WHEELS" >&2
-    exit 2
-  fi
-fi
+source "$REPO/recipes/_common.sh"
+ensure_datasets
 
 # ---- preflight: seconds, no GPU work (the 1-GPU run is the first real check) -----------------------------
 "$PY" - "$SMOKE" "$MODEL" "$NPROC" <<'PYEOF' | tee "$OUT/environment.txt"
