@@ -279,13 +279,19 @@ def test_generate_fp8_mode_runs(name, spy):
     assert len(spy) == 6 * tiny.n_attention_layers(tiny.CONFIGS[name]())
 
 
+def _left_padded_pair():
+    """Prompts of 20 and 12 tokens, and the batch of both with the shorter one left-padded, with its mask."""
+    a, b = token_ids(1, 20, seed=4), token_ids(1, 12, seed=5)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 8, dtype=torch.long), b], 1)])
+    mask = torch.cat([torch.ones(1, 20), torch.cat([torch.zeros(1, 8), torch.ones(1, 12)], 1)]).long()
+    return a, b, batch, mask
+
+
 def test_generate_with_left_padding_matches_unpadded(spy):
     """Batched generation from left-padded prompts: each row continues as it would alone."""
     set_precision("bf16")
     model = tiny.build("qwen3", "deltamatch_fp8")
-    a, b = token_ids(1, 20, seed=4), token_ids(1, 12, seed=5)
-    batch = torch.cat([a, torch.cat([torch.zeros(1, 8, dtype=torch.long), b], 1)])
-    mask = torch.cat([torch.ones(1, 20), torch.cat([torch.zeros(1, 8), torch.ones(1, 12)], 1)]).long()
+    a, b, batch, mask = _left_padded_pair()
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
     out = model.generate(batch, attention_mask=mask, **kw)
     assert any(c["cu_seqlens_k"] is not None for c in spy)  # padding went through varlen
@@ -312,9 +318,7 @@ def test_generate_with_static_cache_matches_sdpa(name, spy):
 def test_generate_static_cache_with_left_padding(spy):
     set_precision("bf16")
     model = tiny.build("qwen3_sliding", "deltamatch_fp8")
-    a, b = token_ids(1, 20, seed=4), token_ids(1, 12, seed=5)
-    batch = torch.cat([a, torch.cat([torch.zeros(1, 8, dtype=torch.long), b], 1)])
-    mask = torch.cat([torch.ones(1, 20), torch.cat([torch.zeros(1, 8), torch.ones(1, 12)], 1)]).long()
+    a, b, batch, mask = _left_padded_pair()
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None, cache_implementation="static")
     out = model.generate(batch, attention_mask=mask, **kw)
     assert torch.equal(out[0, 20:], model.generate(a, **kw)[0, 20:])
