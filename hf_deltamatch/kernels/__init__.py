@@ -15,6 +15,7 @@ import math
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._fp8 import FP8_MAX, INTERPRET
 from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
@@ -33,14 +34,37 @@ DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.D
 TUNE: dict = {}
 
 
-def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
+def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool, tma: bool = False):
     """(BLOCK_M, num_warps, num_stages) of the forward, by head dim (H200 measurements, benchmarks/NOTES.md)."""
     if "fwd" in TUNE:
         return TUNE["fwd"]
     d = max(dqk, dv)
+    if tma and TUNE.get("fwd_ws"):  # 4 warps = one consumer warpgroup; warp specialization: 2 + a producer
+        return 128, 4, 2
     if d <= 128:  # H200, N=8192 causal: (64, 4, 3) 1.02 ms vs (128, 8, 3) 1.08, (128, 4, 3) 3.5 (spills)
         return 64, 4, 3
     return 64, 8, 2  # D=256: 2 warpgroups split the head dim, no spills (4 warps spilled ~800 B)
+
+
+def _fwd_tma(fp8: bool, cu_seqlens_k=None) -> bool:
+    """Whether the forward loads through TMA tensor descriptors with warp specialization (fp8 only: the saved
+    q8/k8/v8 are contiguous, so 2-D descriptors over them are valid; bf16 inputs may have any strides).
+    Triton's interpreter wants the token offset of each V tile 16-byte aligned (the GPU does not): varlen
+    batches with other key starts take the pointer path there."""
+    if not (fp8 and TUNE.get("fwd_tma", False)):
+        return False
+    return not (INTERPRET and cu_seqlens_k is not None and bool((cu_seqlens_k % 16).any()))
+
+
+def _dq_add(fp8: bool, config, return_row_sums: bool) -> int:
+    """How dQ is made: 0 by _bwd_dq_kernel's second pass (deterministic); 1 / 2 added up inside the dK/dV
+    kernel from the dS8 tiles it already has, by TMA reduce-adds (1) or relaxed element atomics (2) into an
+    fp32 buffer, which skips recomputing S and dP for dQ. Not with config.deterministic (the order of fp32
+    additions varies) nor with return_row_sums (the row sums come from the dQ pass)."""
+    mode = {"tma": 1, "relaxed": 2}.get(TUNE.get("dq_add"), 0)
+    if not fp8 or config.deterministic or return_row_sums:
+        return 0
+    return 2 if mode == 1 and INTERPRET else mode  # the interpreter has no descriptor reduce
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -127,18 +151,24 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             lse.fill_(float("-inf"))
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
-    BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
+    tma = _fwd_tma(fp8, cu_seqlens_k)
+    BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8, tma)
+    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
+    if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
+        qa = TensorDescriptor(q8, [B * Hq * N, dqk], [dqk, 1], [BLOCK_M, bdqk])
+        ka = TensorDescriptor(k8, [B * Hkv * M, dqk], [dqk, 1], [T, bdqk])
+        va = TensorDescriptor(v8t, [B * Hkv * dv, M], [v8t.stride(3), 1], [bdv, T])
     dummy = lse
     grid = (triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq)
     _fwd_kernel[grid](
         qa, ka, va, sq if fp8 else dummy, sk if fp8 else dummy, sv if fp8 else dummy, out, lse,
         cu_seqlens_q, cu_seqlens_k,
-        *qa.stride(), *ka.stride(), *va.stride(), *out.stride(),
+        *_s4(q8 if tma else qa), *_s4(k8 if tma else ka), *_s4(v8t if tma else va), *out.stride(),
         Hq, Hkv, N, M, float(softmax_scale), int(window) if window is not None else 0,
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
-        BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
-        INTERP=INTERPRET, num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
+        INTERP=INTERPRET, TMA=tma, WS=tma and bool(TUNE.get("fwd_ws")), num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
 
@@ -192,8 +222,12 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
+    dq_add = _dq_add(fp8, config, return_row_sums) if N > 0 and max_n > 0 else 0
+    dqa = torch.zeros((B, Hq, N, dqk), dtype=torch.float32, device=dev) if dq_add else dq
+    dqd = TensorDescriptor(dqa, [B * Hq * N, dqk], [dqk, 1], [DS_TILE_Q, triton.next_power_of_2(dqk)]) \
+        if dq_add == 1 else dqa
     if N > 0 and max_n > 0:
-        if fp8:
+        if fp8 and not dq_add:
             k8t = token_major(k8)
         o_arg = out if stale else do
         grid = (triton.cdiv(max_n, dq_m), B * Hq, nseq)
@@ -205,21 +239,24 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q,
+            ONE_TILE=dq_m == DS_TILE_Q, COMPUTE_DQ=not dq_add,
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
     if M > 0 and max_m > 0:
         if fp8:
             q8t, do8t = token_major(q8), token_major(do8)
+            k8t = token_major(k8) if dq_add else None
         grid = (triton.cdiv(max_m, T), B * Hkv, nseq)
         _bwd_dkdv_kernel[grid](
-            qs, q8t if fp8 else qs, ks, vs, doa, do8t if fp8 else doa,
-            sq, sk, sv, sdo, lse, delta, dk, dv_, cu_seqlens_q, cu_seqlens_k,
-            *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
-            *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
+            qs, q8t if fp8 else qs, ks, k8t if k8t is not None else ks, vs, doa, do8t if fp8 else doa,
+            sq, sk, sv, sdo, lse, delta, dk, dv_, dqa, dqd, cu_seqlens_q, cu_seqlens_k,
+            *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(), *_s4(k8t if k8t is not None else ks),
+            *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(), *dqa.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T,
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, DQ_ADD=dq_add,
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
+    if dq_add:
+        dq.copy_(dqa)
     return _ret()

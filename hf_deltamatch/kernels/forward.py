@@ -100,20 +100,28 @@ def _key_ranges(start_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, win
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
+def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd, k_row, v_row, k0,
                start_m, lo, hi, n, m, window,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr):
+               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr,
+               WS: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    for start_n in range(lo, hi, BLOCK_N):
+    # TMA: K, V are tensor descriptors and Triton splits the loop into a TMA producer warp and two consumer
+    # warpgroups of BLOCK_M / 2 rows (Hopper warp specialization), so one group's softmax overlaps the
+    # other's QGMMAs. Rows the descriptors read past a sequence's keys are masked scores, as with pointers.
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
-                     MASK, BLOCK_DQK != DQK)
-        v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
-                     MASK, BLOCK_DV != DV)
+        if TMA:
+            k = K.load([k_row + start_n, 0])
+            v = tl.trans(V.load([v_row, k0 + start_n]))
+        else:
+            k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
+                         MASK, BLOCK_DQK != DQK)
+            v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
+                         MASK, BLOCK_DV != DV)
         if INTERP and not FP8:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -155,7 +163,8 @@ def _fwd_kernel(
     GROUPS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
-    INTERP: tl.constexpr,
+    INTERP: tl.constexpr, TMA: tl.constexpr,  # TMA: Q, K, V are tensor descriptors (fp8, see forward())
+    WS: tl.constexpr,
 ):
     # heaviest (last, under causal) query blocks first: better tail balance
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -167,17 +176,25 @@ def _fwd_kernel(
     q0, n, k0, m = _seq_bounds(CUQ, CUK, pid_s, N, M, VARLEN)
     start_m = pid_m * BLOCK_M
     b64 = b.to(tl.int64)
-    Qb = Q + b64 * sqb + h.to(tl.int64) * sqh + q0.to(tl.int64) * sqn
-    Kb = K + b64 * skb + hk.to(tl.int64) * skh + k0.to(tl.int64) * skn
-    Vb = V + b64 * svb + hk.to(tl.int64) * svh + k0.to(tl.int64) * svn
+    Qb, Kb, Vb = Q, K, V
+    if not TMA:
+        Qb = Q + b64 * sqb + h.to(tl.int64) * sqh + q0.to(tl.int64) * sqn
+        Kb = K + b64 * skb + hk.to(tl.int64) * skh + k0.to(tl.int64) * skn
+        Vb = V + b64 * svb + hk.to(tl.int64) * svh + k0.to(tl.int64) * svn
     SKb = SK + (b64 * Hkv + hk) * M + k0
     SVb = SV + (b64 * Hkv + hk) * M + k0
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_2d(Qb + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
-                 True, BLOCK_DQK != DQK)
+    # TMA: row offsets into the 2-D views the descriptors cover ((B*Hq*N, Dqk), (B*Hkv*M, Dqk), (B*Hkv*Dv, M))
+    k_row = (b * Hkv + hk) * M + k0
+    v_row = (b * Hkv + hk) * DV
+    if TMA:
+        q = Q.load([(b * Hq + h) * N + q0 + start_m, 0])
+    else:
+        q = _load_2d(Qb + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
+                     True, BLOCK_DQK != DQK)
     if INTERP and not FP8:
         q = q.to(tl.float32)
     # BLOCK_M <= BLOCK_N: the block lies in one quantization tile of q (blocks and tiles both start at each
@@ -196,16 +213,23 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     c_acc = softmax_scale * 0.0 + 1.0  # runtime fp32 scalar: acc's unit (fp8: sv / 256 of the last key tile)
     lo, mid_lo, mid_hi, hi = _key_ranges(start_m, BLOCK_M, BLOCK_N, n, m, window, CAUSAL, HAS_WINDOW)
-    if HAS_WINDOW:
-        acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
-                                   start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
-                                   DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP)
-    acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
-                               start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
-                               DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP)
-    acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd,
-                               start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
-                               DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP)
+    args = (q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd, k_row, v_row, k0, start_m)
+    if WS:
+        # one loop, every tile masked: Triton 3.6's Hopper warp specialization takes one loop per kernel
+        # (a second loop, or a branch around the mask, and it falls back to a plain 4-warp loop)
+        acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, hi, n, m, window, BLOCK_M, BLOCK_N,
+                                          BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA, WS)
+    else:
+        if HAS_WINDOW:
+            acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, mid_lo, n, m, window, BLOCK_M,
+                                              BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW,
+                                              FP8, INTERP, TMA, WS)
+        acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_lo, mid_hi, n, m, window, BLOCK_M,
+                                          BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW,
+                                          FP8, INTERP, TMA, WS)
+        acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_hi, hi, n, m, window, BLOCK_M,
+                                          BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW,
+                                          FP8, INTERP, TMA, WS)
 
     if FP8:
         l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
