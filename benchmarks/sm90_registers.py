@@ -24,7 +24,7 @@ from hf_deltamatch import kernels as K
 from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from hf_deltamatch.kernels.forward import _fwd_kernel
 
-FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "RS", "RA", "DQA"}
+FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "RS", "RA"}
 I32_PTRS = {"CUQ", "CUK"}
 FP8_PTRS = {"Q", "QT", "K", "KT", "V", "DO", "DOT"}
 OUT_PTRS = {"O", "DQ", "DK", "DV", "DOHP"}
@@ -33,22 +33,20 @@ FLOATS = {"softmax_scale"}
 
 def signature(fn, constexprs):
     sig, attrs = {}, {}
-    descs = {}
-    if constexprs.get("TMA"):  # the forward's tensor descriptors: (rows, cols) of each tile
-        descs = {"Q": (constexprs["BLOCK_M"], constexprs["BLOCK_DQK"]), "K": (constexprs["BLOCK_N"], constexprs["BLOCK_DQK"]),
-                 "V": (constexprs["BLOCK_DV"], constexprs["BLOCK_N"])}
-    if constexprs.get("DQ_ADD") == 1:  # the dK/dV kernel's fp32 dQ descriptor
-        descs = {"DQD": (constexprs["BLOCK_M"], constexprs["BLOCK_DQK"])}
+    descs = {}  # the forward's TMA tensor descriptors: (rows, cols) of each tile
+    if constexprs.get("TMA"):
+        descs = {"Q": (constexprs["BLOCK_M"], constexprs["BLOCK_DQK"]),
+                 "K": (constexprs["BLOCK_N"], constexprs["BLOCK_DQK"]), "V": (constexprs["BLOCK_DV"], constexprs["BLOCK_N"])}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
             continue
         if name in descs:
-            sig[name] = ("tensordesc<fp32[%d, %d]>" if name == "DQD" else "tensordesc<fp8e4nv[%d, %d]>") % descs[name]
+            sig[name] = "tensordesc<fp8e4nv[%d, %d]>" % descs[name]
             continue
         if name in FP8_PTRS:
             sig[name] = "*fp8e4nv" if constexprs.get("FP8") else "*bf16"
-        elif name in FP32_PTRS or (name == "DQD"):
+        elif name in FP32_PTRS:
             sig[name] = "*fp32"
         elif name in I32_PTRS:
             sig[name] = "*i32"
@@ -85,7 +83,7 @@ def usage(fn, constexprs, warps, stages, maxnreg=None):
     stack = re.search(r"STACK:(\d+)", res)
     mma = sorted(set(re.findall(r"[QH]GMMA\.[\w.]+", sass)))
     return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=int(stack.group(1)) if stack else None,
-                smem=c.metadata.shared, mma=mma, warps=c.metadata.num_warps)
+                smem=c.metadata.shared, mma=mma)
 
 
 def common(d, fp8, causal):
@@ -106,22 +104,20 @@ def main():
         K.TUNE.clear()
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         c = common(args.d, fp8, True)
-        fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8, K._fwd_tma(fp8))
+        fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
         dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
-        dq_add = {"tma": 1, "relaxed": 2}.get(K.TUNE.get("dq_add"), 0) if fp8 else 0
         jobs = {
-            "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block, TMA=K._fwd_tma(fp8), WS=K._fwd_tma(fp8) and bool(K.TUNE.get('fwd_ws'))), fw, fs),
+            "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
+                                      TMA=K._fwd_tma(fp8, args.d, args.d)), fw, fs),
             "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
-                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
-                                        COMPUTE_DQ=not dq_add), dw, ds),
-            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block,
-                                            DQ_ADD=dq_add), kw, ks),
+                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q), dw, ds),
+            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block), kw, ks),
         }
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))
-            print(f"{var:40s} {name:5s} warps={w:2d}->{u['warps']:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
+            print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
                   f"smem={u['smem']} {' '.join(u['mma'])}", flush=True)
     K.TUNE.clear()
 

@@ -94,6 +94,26 @@ def test_varlen(window):
     _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1000, 1001, 3000, 4096], window=window)
 
 
+def test_varlen_tma_aligned_starts():
+    """Key starts that are multiples of 16 tokens: the forward reads through TMA descriptors (others take the
+    pointer path, tests/test_kernels.py), tokens past the last sequence included."""
+    assert K._fwd_tma(True, 128, 128, torch.tensor([0, 1024, 1040, 3008], device="cuda"))
+    _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1024, 1040, 3008], window=None)
+
+
+def test_forward_tma_equals_pointer_path():
+    q, k, v, _ = _inputs(2, 8, 2, 4096, 4096, 128, 128, torch.bfloat16)
+    kw = dict(causal=True, softmax_scale=128 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    tma = K.forward(q, k, v, **kw)
+    K.TUNE["fwd_tma"] = False
+    try:
+        ptr = K.forward(q, k, v, **kw)
+    finally:
+        K.TUNE.clear()
+    assert torch.equal(tma[0], ptr[0]) and torch.equal(tma[1], ptr[1])
+
+
 def test_e5m2_pow2():
     _compare(B=1, Hq=2, Hkv=2, N=2048, Dqk=128, grad_format="e5m2", scale_rounding="pow2")
 

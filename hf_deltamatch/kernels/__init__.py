@@ -34,37 +34,26 @@ DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.D
 TUNE: dict = {}
 
 
-def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool, tma: bool = False):
+def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     """(BLOCK_M, num_warps, num_stages) of the forward, by head dim (H200 measurements, benchmarks/NOTES.md)."""
     if "fwd" in TUNE:
         return TUNE["fwd"]
     d = max(dqk, dv)
-    if tma and TUNE.get("fwd_ws"):  # 4 warps = one consumer warpgroup; warp specialization: 2 + a producer
-        return 128, 4, 2
     if d <= 128:  # H200, N=8192 causal: (64, 4, 3) 1.02 ms vs (128, 8, 3) 1.08, (128, 4, 3) 3.5 (spills)
         return 64, 4, 3
     return 64, 8, 2  # D=256: 2 warpgroups split the head dim, no spills (4 warps spilled ~800 B)
 
 
-def _fwd_tma(fp8: bool, cu_seqlens_k=None) -> bool:
-    """Whether the forward loads through TMA tensor descriptors with warp specialization (fp8 only: the saved
-    q8/k8/v8 are contiguous, so 2-D descriptors over them are valid; bf16 inputs may have any strides).
-    Triton's interpreter wants the token offset of each V tile 16-byte aligned (the GPU does not): varlen
-    batches with other key starts take the pointer path there."""
-    if not (fp8 and TUNE.get("fwd_tma", False)):
+def _fwd_tma(fp8: bool, dqk: int, dv: int, cu_seqlens_k=None) -> bool:
+    """Whether the forward loads q8, k8, v8 through TMA tensor descriptors (H200, N=8192: kernel 6-8 % faster
+    than pointer loads, benchmarks/NOTES.md). fp8 only (the saved q8/k8/v8 are contiguous, so 2-D descriptors
+    over them are valid; bf16 inputs may have any strides) and head dims <= 128 (measured). The V tiles start
+    at each sequence's first key in the innermost (token) dimension: the H200 faulted (illegal instruction)
+    on a varlen batch whose starts were not multiples of 16 tokens, and the interpreter rejects them too,
+    so such batches take the pointer path. TUNE["fwd_tma"] = False forces the pointer path."""
+    if not (fp8 and max(dqk, dv) <= 128 and TUNE.get("fwd_tma", True)):
         return False
-    return not (INTERPRET and cu_seqlens_k is not None and bool((cu_seqlens_k % 16).any()))
-
-
-def _dq_add(fp8: bool, config, return_row_sums: bool) -> int:
-    """How dQ is made: 0 by _bwd_dq_kernel's second pass (deterministic); 1 / 2 added up inside the dK/dV
-    kernel from the dS8 tiles it already has, by TMA reduce-adds (1) or relaxed element atomics (2) into an
-    fp32 buffer, which skips recomputing S and dP for dQ. Not with config.deterministic (the order of fp32
-    additions varies) nor with return_row_sums (the row sums come from the dQ pass)."""
-    mode = {"tma": 1, "relaxed": 2}.get(TUNE.get("dq_add"), 0)
-    if not fp8 or config.deterministic or return_row_sums:
-        return 0
-    return 2 if mode == 1 and INTERPRET else mode  # the interpreter has no descriptor reduce
+    return cu_seqlens_k is None or not bool((cu_seqlens_k[:-1] % 16).any())
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -151,8 +140,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             lse.fill_(float("-inf"))
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
-    tma = _fwd_tma(fp8, cu_seqlens_k)
-    BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8, tma)
+    tma = _fwd_tma(fp8, dqk, dv, cu_seqlens_k)
+    BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
         qa = TensorDescriptor(q8, [B * Hq * N, dqk], [dqk, 1], [BLOCK_M, bdqk])
@@ -168,7 +157,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
         BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
-        INTERP=INTERPRET, TMA=tma, WS=tma and bool(TUNE.get("fwd_ws")), num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
+        INTERP=INTERPRET, TMA=tma, num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
 
@@ -222,12 +211,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
-    dq_add = _dq_add(fp8, config, return_row_sums) if N > 0 and max_n > 0 else 0
-    dqa = torch.zeros((B, Hq, N, dqk), dtype=torch.float32, device=dev) if dq_add else dq
-    dqd = TensorDescriptor(dqa, [B * Hq * N, dqk], [dqk, 1], [DS_TILE_Q, triton.next_power_of_2(dqk)]) \
-        if dq_add == 1 else dqa
     if N > 0 and max_n > 0:
-        if fp8 and not dq_add:
+        if fp8:
             k8t = token_major(k8)
         o_arg = out if stale else do
         grid = (triton.cdiv(max_n, dq_m), B * Hq, nseq)
@@ -239,24 +224,21 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, COMPUTE_DQ=not dq_add,
+            ONE_TILE=dq_m == DS_TILE_Q,
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
     if M > 0 and max_m > 0:
         if fp8:
             q8t, do8t = token_major(q8), token_major(do8)
-            k8t = token_major(k8) if dq_add else None
         grid = (triton.cdiv(max_m, T), B * Hkv, nseq)
         _bwd_dkdv_kernel[grid](
-            qs, q8t if fp8 else qs, ks, k8t if k8t is not None else ks, vs, doa, do8t if fp8 else doa,
-            sq, sk, sv, sdo, lse, delta, dk, dv_, dqa, dqd, cu_seqlens_q, cu_seqlens_k,
-            *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(), *_s4(k8t if k8t is not None else ks),
-            *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(), *dqa.stride(),
+            qs, q8t if fp8 else qs, ks, vs, doa, do8t if fp8 else doa,
+            sq, sk, sv, sdo, lse, delta, dk, dv_, cu_seqlens_q, cu_seqlens_k,
+            *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
+            *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, DQ_ADD=dq_add,
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T,
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
-    if dq_add:
-        dq.copy_(dqa)
     return _ret()

@@ -133,7 +133,6 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     INTERP: tl.constexpr, DS_Q: tl.constexpr, ONE_TILE: tl.constexpr,  # ONE_TILE: BLOCK_M == DS_Q
-    COMPUTE_DQ: tl.constexpr,  # False: the correction pass alone (the dK/dV kernel adds up dQ)
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -200,15 +199,14 @@ def _bwd_dq_kernel(
             skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
             FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-    if COMPUTE_DQ:
-        dq, c_dq, delta, rs, ra = _dq_sweep(
-            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-            skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
-        dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
-        tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
-                 cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
+    dq, c_dq, delta, rs, ra = _dq_sweep(
+        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
+        skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+        BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
+        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+    dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
+    tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
+             cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DELTA + row0 + offs_m, delta, mask=rmask)
     if ROW_SUMS:
         tl.store(RS + row0 + offs_m, rs, mask=rmask)
@@ -278,14 +276,13 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, offs_m, o
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, kt, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, DQA, DQD, col_f, dp_f, dq_f,
-                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, dq_row,
+def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
+                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd,
                 start_n, lo, hi, n, m, window,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-                DQ_ADD: tl.constexpr):
+                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -313,19 +310,8 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, kt, Q, QT, DO, DOT, SQ, SDO, LSE, DELT
             ck = sds * sq_t
             qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
                           MASK, BLOCK_DQK != DQK)
-            ds8t = to_fp8(dst * r, E5M2, INTERP)
-            dk = tl.dot(ds8t, qt, dk * (c_dk / ck))
+            dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / ck))
             c_dk = ck
-            if DQ_ADD > 0:
-                # this key tile's share of dQ from the same dS8 tile: (dS8 @ k8) * sds * sk * softmax_scale,
-                # added to the fp32 dQ of these query rows (rows past the sequence add exact zeros: P = 0)
-                dqp = tl.dot(tl.trans(ds8t), kt) * (sds * dq_f)
-                if DQ_ADD == 1:  # TMA reduce-add of the whole tile (cp.reduce.async.bulk)
-                    DQD.atomic_add([dq_row + start_m, 0], dqp)
-                else:  # element atomics, relaxed (the interpreter has no descriptor reduce)
-                    offs_dqk2 = tl.arange(0, BLOCK_DQK)
-                    tl.atomic_add(DQA + offs_m[:, None] * sdqn + offs_dqk2[None, :], dqp,
-                                  mask=(offs_m[:, None] < n) & (offs_dqk2[None, :] < DQK), sem="relaxed")
         else:
             dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
             dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
@@ -334,16 +320,14 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, kt, Q, QT, DO, DOT, SQ, SDO, LSE, DELT
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, QT, K, KT, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DK, DV, DQA, DQD, CUQ, CUK,
-    sqb, sqh, sqn, sqd, qtb, qth, qtn, qtd, skb, skh, skn, skd, ktb, kth, ktn, ktd, svb, svh, svn, svd,
+    Q, QT, K, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DK, DV, CUQ, CUK,
+    sqb, sqh, sqn, sqd, qtb, qth, qtn, qtd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, dtb, dth, dtn, dtd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    sdqb, sdqh, sdqn, sdqd,
     Hq, Hkv, N, M, softmax_scale, window,
     GROUPS: tl.constexpr, DQK: tl.constexpr, DV_: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-    DQ_ADD: tl.constexpr,  # 0: dQ comes from _bwd_dq_kernel; 1 / 2: added here into fp32 DQA (1: TMA, DQD)
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
@@ -372,12 +356,6 @@ def _bwd_dkdv_kernel(
         kv_row = (b64 * Hkv + hk) * M + k0 + start_n
         col_f = col_f * tl.load(SK + kv_row, mask=start_n < m, other=1.0)
         dp_f = tl.load(SV + kv_row, mask=start_n < m, other=1.0)
-    kt = k
-    dq_f = softmax_scale
-    if DQ_ADD > 0:  # k8 token-major: the K-major B operand of dS8 @ k8
-        kt = _load_2d(KT + b64 * ktb + hk64 * kth + k064 * ktn + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd,
-                      offs_n, offs_dqk, m, DQK, True, BLOCK_DQK != DQK)
-        dq_f = softmax_scale * tl.load(SK + (b64 * Hkv + hk) * M + k0 + start_n, mask=start_n < m, other=1.0)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of c_dk, c_dv (the last tile scales)
@@ -399,23 +377,18 @@ def _bwd_dkdv_kernel(
         SDOg = SDO + bh * N + q0
         LSEg = LSE + bh * N + q0
         DELTAg = DELTA + bh * N + q0
-        DQAg = DQA + b64 * sdqb + h64 * sdqh + q064 * sdqn
-        dq_row = (bh * N + q0).to(tl.int32)  # row of this head's sequence start in the 2-D view DQD covers
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, kt, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DQAg, DQD, col_f, dp_f, dq_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, dq_row, start_n, lo, mid_lo, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            DQ_ADD)
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, kt, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DQAg, DQD, col_f, dp_f, dq_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, dq_row, start_n, mid_lo, mid_hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            DQ_ADD)
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, kt, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DQAg, DQD, col_f, dp_f, dq_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, sdqn, dq_row, start_n, mid_hi, hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            DQ_ADD)
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m

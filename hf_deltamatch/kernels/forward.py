@@ -104,17 +104,15 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
                start_m, lo, hi, n, m, window,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr,
-               WS: tl.constexpr):
+               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    # TMA: K, V are tensor descriptors and Triton splits the loop into a TMA producer warp and two consumer
-    # warpgroups of BLOCK_M / 2 rows (Hopper warp specialization), so one group's softmax overlaps the
-    # other's QGMMAs. Rows the descriptors read past a sequence's keys are masked scores, as with pointers.
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if TMA:
+            # rows past this sequence's keys (the next head's or sequence's, or TMA's zero fill) only ever
+            # meet masked scores, as with the pointer loads' masks
             k = K.load([k_row + start_n, 0])
             v = tl.trans(V.load([v_row, k0 + start_n]))
         else:
@@ -164,7 +162,6 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     INTERP: tl.constexpr, TMA: tl.constexpr,  # TMA: Q, K, V are tensor descriptors (fp8, see forward())
-    WS: tl.constexpr,
 ):
     # heaviest (last, under causal) query blocks first: better tail balance
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -214,22 +211,13 @@ def _fwd_kernel(
     c_acc = softmax_scale * 0.0 + 1.0  # runtime fp32 scalar: acc's unit (fp8: sv / 256 of the last key tile)
     lo, mid_lo, mid_hi, hi = _key_ranges(start_m, BLOCK_M, BLOCK_N, n, m, window, CAUSAL, HAS_WINDOW)
     args = (q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd, k_row, v_row, k0, start_m)
-    if WS:
-        # one loop, every tile masked: Triton 3.6's Hopper warp specialization takes one loop per kernel
-        # (a second loop, or a branch around the mask, and it falls back to a plain 4-warp loop)
-        acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, hi, n, m, window, BLOCK_M, BLOCK_N,
-                                          BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA, WS)
-    else:
-        if HAS_WINDOW:
-            acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, mid_lo, n, m, window, BLOCK_M,
-                                              BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW,
-                                              FP8, INTERP, TMA, WS)
-        acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_lo, mid_hi, n, m, window, BLOCK_M,
-                                          BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW,
-                                          FP8, INTERP, TMA, WS)
-        acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_hi, hi, n, m, window, BLOCK_M,
-                                          BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW,
-                                          FP8, INTERP, TMA, WS)
+    if HAS_WINDOW:
+        acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N,
+                                          BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA)
+    acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N,
+                                      BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA)
+    acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N,
+                                      BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA)
 
     if FP8:
         l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
