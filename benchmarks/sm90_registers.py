@@ -33,10 +33,12 @@ FLOATS = {"softmax_scale"}
 
 def signature(fn, constexprs):
     sig, attrs = {}, {}
-    descs = {}  # the forward's TMA tensor descriptors: (rows, cols) of each tile
+    descs = {}  # TMA tensor descriptors: (rows, cols) of each tile
     if constexprs.get("TMA"):
-        descs = {"Q": (constexprs["BLOCK_M"], constexprs["BLOCK_DQK"]),
-                 "K": (constexprs["BLOCK_N"], constexprs["BLOCK_DQK"]), "V": (constexprs["BLOCK_DV"], constexprs["BLOCK_N"])}
+        bm, bn, bd, bv = (constexprs[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_DQK", "BLOCK_DV"))
+        descs = {"_fwd_kernel": {"Q": (bm, bd), "K": (bn, bd), "V": (bv, bn)},
+                 "_bwd_dq_kernel": {"K": (bn, bd), "KT": (bd, bn), "V": (bn, bv)},
+                 "_bwd_dkdv_kernel": {"Q": (bm, bd), "QT": (bd, bm), "DO": (bm, bv), "DOT": (bv, bm)}}[fn.__name__]
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
@@ -107,12 +109,14 @@ def main():
         fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
         dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
+        tma = K._use_tma("bwd", fp8, args.d, args.d)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
-                                      TMA=K._fwd_tma(fp8, args.d, args.d)), fw, fs),
+                                      TMA=K._use_tma("fwd", fp8, args.d, args.d)), fw, fs),
             "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
-                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q), dw, ds),
-            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block), kw, ks),
+                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q, TMA=tma), dw, ds),
+            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block, TMA=tma),
+                     kw, ks),
         }
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]

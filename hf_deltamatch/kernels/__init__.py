@@ -44,16 +44,17 @@ def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     return 64, 8, 2  # D=256: 2 warpgroups split the head dim, no spills (4 warps spilled ~800 B)
 
 
-def _fwd_tma(fp8: bool, dqk: int, dv: int, cu_seqlens_k=None) -> bool:
-    """Whether the forward loads q8, k8, v8 through TMA tensor descriptors (H200, N=8192: kernel 6-8 % faster
-    than pointer loads, benchmarks/NOTES.md). fp8 only (the saved q8/k8/v8 are contiguous, so 2-D descriptors
-    over them are valid; bf16 inputs may have any strides) and head dims <= 128 (measured). The V tiles start
-    at each sequence's first key in the innermost (token) dimension: the H200 faulted (illegal instruction)
-    on a varlen batch whose starts were not multiples of 16 tokens, and the interpreter rejects them too,
-    so such batches take the pointer path. TUNE["fwd_tma"] = False forces the pointer path."""
-    if not (fp8 and max(dqk, dv) <= 128 and TUNE.get("fwd_tma", True)):
+def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, *cu_seqlens) -> bool:
+    """Whether `kernel` ("fwd" or "bwd") loads its FP8 tiles through TMA tensor descriptors (H200, N=8192:
+    the forward kernel 6-11 % faster than with pointer loads, benchmarks/NOTES.md). fp8 only (q8, k8, v8,
+    dO8 and their token-major copies are contiguous buffers of ours, so 2-D descriptors over them are valid;
+    bf16 inputs may have any strides) and head dims <= 128 (measured). Token-major tiles start at a
+    sequence's first token in the innermost dimension: the H200 faulted (illegal instruction) on a varlen
+    batch whose starts were not multiples of 16 tokens, and the interpreter rejects them too, so such
+    batches take the pointer path. TUNE["fwd_tma"] / TUNE["bwd_tma"] = False forces the pointer path."""
+    if not (fp8 and max(dqk, dv) <= 128 and TUNE.get(f"{kernel}_tma", True)):
         return False
-    return cu_seqlens_k is None or not bool((cu_seqlens_k[:-1] % 16).any())
+    return not any(bool((cu[:-1] % 16).any()) for cu in cu_seqlens if cu is not None)
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -140,7 +141,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             lse.fill_(float("-inf"))
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
-    tma = _fwd_tma(fp8, dqk, dv, cu_seqlens_k)
+    tma = _use_tma("fwd", fp8, dqk, dv, cu_seqlens_k)
     BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
@@ -211,34 +212,47 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
+    tma = _use_tma("bwd", fp8, dqk, dv, cu_seqlens_q, cu_seqlens_k)
+    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if N > 0 and max_n > 0:
+        ka, kta, va = ks, ks, vs
         if fp8:
-            k8t = token_major(k8)
+            k8t = kta = token_major(k8)
+        if tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
+            ka = TensorDescriptor(k8, [B * Hkv * M, dqk], [dqk, 1], [T, bdqk])
+            kta = TensorDescriptor(k8t, [B * Hkv * dqk, M], [k8t.stride(3), 1], [bdqk, T])
+            va = TensorDescriptor(v8, [B * Hkv * M, dv], [dv, 1], [T, bdv])
         o_arg = out if stale else do
         grid = (triton.cdiv(max_n, dq_m), B * Hq, nseq)
         _bwd_dq_kernel[grid](
-            qs, ks, k8t if k8t is not None else ks, vs, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, rs, ra,
+            qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, rs, ra,
             cu_seqlens_q, cu_seqlens_k,
             *qs.stride(), *ks.stride(), *_s4(k8t if k8t is not None else ks), *vs.stride(), *doa.stride(),
             *do.stride(),
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q,
+            ONE_TILE=dq_m == DS_TILE_Q, TMA=tma,
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
-    k8t = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
+    k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
     if M > 0 and max_m > 0:
+        qa, qta, doa_, dota = qs, qs, doa, doa
         if fp8:
-            q8t, do8t = token_major(q8), token_major(do8)
+            q8t, do8t = qta, dota = token_major(q8), token_major(do8)
+        if tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
+            qa = TensorDescriptor(q8, [B * Hq * N, dqk], [dqk, 1], [DS_TILE_Q, bdqk])
+            qta = TensorDescriptor(q8t, [B * Hq * dqk, N], [q8t.stride(3), 1], [bdqk, DS_TILE_Q])
+            doa_ = TensorDescriptor(do8, [B * Hq * N, dv], [dv, 1], [DS_TILE_Q, bdv])
+            dota = TensorDescriptor(do8t, [B * Hq * dv, N], [do8t.stride(3), 1], [bdv, DS_TILE_Q])
         grid = (triton.cdiv(max_m, T), B * Hkv, nseq)
         _bwd_dkdv_kernel[grid](
-            qs, q8t if fp8 else qs, ks, vs, doa, do8t if fp8 else doa,
+            qa, qta, ks, vs, doa_, dota,
             sq, sk, sv, sdo, lse, delta, dk, dv_, cu_seqlens_q, cu_seqlens_k,
             *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T,
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=tma,
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()

@@ -24,17 +24,22 @@ from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible
 
 
 @triton.jit
-def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, offs_m, offs_n, n, m, window,
+def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, kv_row, offs_m, offs_n, n, m, window,
           BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
           MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-          INTERP: tl.constexpr, ONE_TILE: tl.constexpr):
-    """P = exp(S - LSE) and dP (fp32, scales applied) for query rows offs_m and keys offs_n; also returns k."""
+          INTERP: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr):
+    """P = exp(S - LSE) and dP (fp32, scales applied) for query rows offs_m and keys offs_n; also returns k.
+    TMA: K, V are descriptors and kv_row the tile's first row in them (rows past the sequence are masked)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
-                 MASK, BLOCK_DQK != DQK)
-    v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
-                 MASK, BLOCK_DV != DV)
+    if TMA:
+        k = K.load([kv_row, 0])
+        v = V.load([kv_row, 0])
+    else:
+        k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
+                     MASK, BLOCK_DQK != DQK)
+        v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
+                     MASK, BLOCK_DV != DV)
     if INTERP and not FP8:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -49,12 +54,12 @@ def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, offs_m, offs_n, n, m
 
 @triton.jit
 def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-              start_m, lo, hi, n, m, window,
+              kv_row, kt_row, k0, start_m, lo, hi, n, m, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
               FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr):
+              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     for start_n in range(lo, hi, BLOCK_N):
@@ -66,8 +71,8 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
         if FP8:
             s_f = row_f * tl.load(SK + start_n)
             dpf = dp_f * tl.load(SV + start_n)
-        p, dp, k = _p_dp(q, do, lse2, s_f, dpf, K, V, skn, skd, svn, svd, offs_m, offs_n, n, m, window,
-                         BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP, ONE_TILE)
+        p, dp, k = _p_dp(q, do, lse2, s_f, dpf, K, V, skn, skd, svn, svd, kv_row + start_n, offs_m, offs_n, n, m,
+                         window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP, ONE_TILE, TMA)
         if PASS1:
             delta += tl.sum(p * dp, 1)
         else:
@@ -87,8 +92,11 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                 # unit is already busy with exp2 (the reciprocal is per tile; pow2 scales make it exact)
                 r = _per_row(1.0 / sds, ONE_TILE)
                 c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
-                kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
-                              MASK, BLOCK_DQK != DQK)
+                if TMA:  # k8 token-major, (Dqk, keys) tiles
+                    kt = tl.trans(KT.load([kt_row, k0 + start_n]))
+                else:
+                    kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
+                                  MASK, BLOCK_DQK != DQK)
                 dq = tl.dot(to_fp8(ds * r, E5M2, INTERP), kt, dq * _per_row(c_dq / c, ONE_TILE))
                 c_dq = c
             else:
@@ -98,27 +106,27 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
 
 @triton.jit
 def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-              start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+              kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr,
               E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr, DS_Q: tl.constexpr,
-              ONE_TILE: tl.constexpr):
+              ONE_TILE: tl.constexpr, TMA: tl.constexpr):
     """One pass over a query block's visible key tiles: the window's masked edge [lo, mid_lo) (only with a
     window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
     if HAS_WINDOW:
         dq, c_dq, delta, rs, ra = _dq_inner(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-            start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-            HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+            kv_row, kt_row, k0, start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-        start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL,
-        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        kv_row, kt_row, k0, start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-        start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL,
-        HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        kv_row, kt_row, k0, start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA)
     return dq, c_dq, delta, rs, ra
 
 
@@ -133,6 +141,7 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     INTERP: tl.constexpr, DS_Q: tl.constexpr, ONE_TILE: tl.constexpr,  # ONE_TILE: BLOCK_M == DS_Q
+    TMA: tl.constexpr,  # K, KT, V are tensor descriptors over 2-D views of k8, k8 token-major, v8
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -146,9 +155,13 @@ def _bwd_dq_kernel(
     h64 = h.to(tl.int64)
     hk64 = hk.to(tl.int64)
     q064 = q0.to(tl.int64)
-    Kb = K + b64 * skb + hk64 * skh + k0.to(tl.int64) * skn
-    KTb = KT + b64 * ktb + hk64 * kth + k0.to(tl.int64) * ktn
-    Vb = V + b64 * svb + hk64 * svh + k0.to(tl.int64) * svn
+    Kb, KTb, Vb = K, KT, V
+    if not TMA:
+        Kb = K + b64 * skb + hk64 * skh + k0.to(tl.int64) * skn
+        KTb = KT + b64 * ktb + hk64 * kth + k0.to(tl.int64) * ktn
+        Vb = V + b64 * svb + hk64 * svh + k0.to(tl.int64) * svn
+    kv_row = (b * Hkv + hk) * M + k0  # TMA: rows of (B*Hkv*M, D) views, and of the (B*Hkv*Dqk, M) view of k8t
+    kt_row = (b * Hkv + hk) * DQK
     SKb = SK + (b64 * Hkv + hk) * M + k0
     SVb = SV + (b64 * Hkv + hk) * M + k0
     row0 = pid_bh.to(tl.int64) * N + q0  # offset of this sequence in the (B, H, N) fp32 row arrays
@@ -196,14 +209,14 @@ def _bwd_dq_kernel(
     else:  # the correction pass
         dq, c_dq, delta, rs, ra = _dq_sweep(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-            skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+            skn, skd, ktn, ktd, svn, svd, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA)
     dq, c_dq, delta, rs, ra = _dq_sweep(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-        skn, skd, ktn, ktd, svn, svd, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+        skn, skd, ktn, ktd, svn, svd, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
         BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE)
+        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA)
     dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
@@ -238,17 +251,22 @@ def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, w
 
 
 @triton.jit
-def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, offs_m, offs_n, n, m, window,
+def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, offs_m, offs_n, n, m, window,
             BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
             MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-            INTERP: tl.constexpr):
-    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m; also the loaded q, dO."""
+            INTERP: tl.constexpr, TMA: tl.constexpr):
+    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m; also the loaded q, dO.
+    TMA: Q, DO are descriptors and q_row the tile's first row (rows past the sequence get P = 0: LSE = +inf)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
-                 MASK, BLOCK_DQK != DQK)
-    do = _load_2d(DO + offs_m[:, None] * sdon + offs_dv[None, :] * sdod, offs_m, offs_dv, n, DV,
-                  MASK, BLOCK_DV != DV)
+    if TMA:
+        q = Q.load([q_row, 0])
+        do = DO.load([q_row, 0])
+    else:
+        q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
+                     MASK, BLOCK_DQK != DQK)
+        do = _load_2d(DO + offs_m[:, None] * sdon + offs_dv[None, :] * sdod, offs_m, offs_dv, n, DV,
+                      MASK, BLOCK_DV != DV)
     if INTERP and not FP8:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -277,12 +295,13 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, offs_m, o
 
 @triton.jit
 def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
-                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd,
+                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0,
                 start_n, lo, hi, n, m, window,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr):
+                FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
+                TMA: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -295,21 +314,28 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
             sdo_t = tl.load(SDO + start_m)
             st_f = col_f * sq_t
             dpf = dp_f * sdo_t
-        pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m, offs_n, n, m,
-                                 window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP)
+        pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, q_row + start_m, offs_m,
+                                 offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8,
+                                 INTERP, TMA)
         if FP8:
             # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
             cv = sdo_t / 256.0
-            dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
-                            MASK, BLOCK_DV != DV)
+            if TMA:  # token-major copies: (D, queries) tiles
+                dot_ = tl.trans(DOT.load([dt_row, q0 + start_m]))
+            else:
+                dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
+                                MASK, BLOCK_DV != DV)
             dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv * (c_dv / cv))
             c_dv = cv
             amax = tl.max(tl.max(tl.abs(dst), 1), 0)
             sds = tile_scale(amax, FMAX, POW2)
             r = 1.0 / sds  # multiply, not divide per element (see _dq_inner)
             ck = sds * sq_t
-            qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
-                          MASK, BLOCK_DQK != DQK)
+            if TMA:
+                qt = tl.trans(QT.load([qt_row, q0 + start_m]))
+            else:
+                qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
+                              MASK, BLOCK_DQK != DQK)
             dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / ck))
             c_dk = ck
         else:
@@ -328,6 +354,7 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
+    TMA: tl.constexpr,  # Q, QT, DO, DOT are tensor descriptors over 2-D views of q8, q8 / dO8 token-major, dO8
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
@@ -369,26 +396,35 @@ def _bwd_dkdv_kernel(
     for g in range(GROUPS):  # GQA: this KV head's query heads, summed here (no atomics)
         h64 = hk64 * GROUPS + g
         bh = b64 * Hq + h64
-        Qg = Q + b64 * sqb + h64 * sqh + q064 * sqn
-        QTg = QT + b64 * qtb + h64 * qth + q064 * qtn
-        DOg = DO + b64 * sdob + h64 * sdoh + q064 * sdon
-        DOTg = DOT + b64 * dtb + h64 * dth + q064 * dtn
+        Qg, QTg, DOg, DOTg = Q, QT, DO, DOT
+        if not TMA:
+            Qg = Q + b64 * sqb + h64 * sqh + q064 * sqn
+            QTg = QT + b64 * qtb + h64 * qth + q064 * qtn
+            DOg = DO + b64 * sdob + h64 * sdoh + q064 * sdon
+            DOTg = DOT + b64 * dtb + h64 * dth + q064 * dtn
+        bh32 = (b * Hq + hk * GROUPS + g).to(tl.int32)  # TMA: rows of the (B*Hq*N, D) and (B*Hq*D, N) views
+        q_row = bh32 * N + q0
+        qt_row = bh32 * DQK
+        dt_row = bh32 * DV_
         SQg = SQ + bh * N + q0
         SDOg = SDO + bh * N + q0
         LSEg = LSE + bh * N + q0
         DELTAg = DELTA + bh * N + q0
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, lo, mid_lo, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
+            TMA)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_lo, mid_hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
+            TMA)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, start_n, mid_hi, hi, n, m, window,
-            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP)
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
+            BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
+            TMA)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m

@@ -73,10 +73,11 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
     scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
     if cu_seqlens is not None:
         nseq = cu_seqlens.numel() - 1
-        if N > 0 and int(cu_seqlens[-1]) < N:  # tokens outside every sequence keep a defined scale, and a
-            scale.fill_(1.0)                   # zero (not NaN garbage) where the forward's TMA reads them
-            if yt is not None:
-                yt.zero_()
+        if N > 0 and int(cu_seqlens[-1]) < N:  # tokens outside every sequence keep a defined scale, and
+            scale.fill_(1.0)                   # zeros (not NaN garbage) where TMA tiles read past a sequence
+            for t in (y, yt):
+                if t is not None:
+                    t.zero_()
     else:
         nseq, max_len = 1, N
     if N == 0 or B * H == 0 or nseq == 0:
@@ -116,7 +117,8 @@ def _token_major_kernel(X, Y, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
 def token_major(x8):
     """(B, H, N, D) fp8 -> the same logical tensor stored (B, H, D, N) (tokens contiguous)."""
     B, H, N, D = x8.shape
-    y = torch.empty((B, H, D, N), dtype=x8.dtype, device=x8.device).transpose(-1, -2)
+    n16 = -(-N // 16) * 16  # token stride padded to 16 bytes for TMA descriptors
+    y = torch.empty((B, H, D, n16), dtype=x8.dtype, device=x8.device)[..., :N].transpose(-1, -2)
     if x8.numel():
         _token_major_kernel[(triton.cdiv(N, 128), B * H)](
             x8, y, *x8.stride(), *y.stride(), H, N, D=D, BLOCK_T=128, BLOCK_D=triton.next_power_of_2(D),
