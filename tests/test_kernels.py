@@ -190,15 +190,25 @@ def test_tma_and_pointer_paths_agree():
     """fp8 kernels read their tiles through TMA descriptors where they can (dense batches and varlen batches
     whose sequence starts are multiples of 16, head dims <= 128) and through masked pointer loads elsewhere.
     Both against the reference, and bit-identical to each other (the same products in the same order)."""
-    assert K._use_tma("fwd", True, 128, 128) and not K._use_tma("bwd", False, 128, 128)
-    assert not K._use_tma("fwd", True, 192, 128)
+    assert K._use_tma("fwd", True, 128, 128) and not K._use_tma("dq", False, 128, 128)
+    assert not K._use_tma("fwd", True, 192, 128) and not K._use_tma("dkdv", True, 128, 128)
     cu_aligned = torch.tensor([0, 96, 160, 300], dtype=torch.int32)
-    assert K._use_tma("bwd", True, 64, 64, cu_aligned, cu_aligned)
-    assert not K._use_tma("bwd", True, 64, 64, cu_aligned, cu_aligned + 1)
+    assert K._use_tma("fwd", True, 64, 64, cu_aligned) and not K._use_tma("fwd", True, 64, 64, cu_aligned + 1)
     cases = [dict(N=200, M=230), dict(N=130, causal=False, Hq=4, Hkv=2),
              dict(N=300, M=320, cu=([0, 96, 160, 280], [0, 128, 176, 300]), window=50)]
-    for case in cases:
-        _run(**case, row_sums=False)
+    K.TUNE.update(fwd_tma=True, dq_tma=True, dkdv_tma=True)  # every kernel's TMA path, at D=64 too
+    try:
+        for case in cases:
+            _run(**case, row_sums=False)
+        tma = _fwd_bwd_tma_vs_pointers()
+    finally:
+        K.TUNE.clear()
+    for a, b in zip(*tma):
+        assert torch.equal(a, b)
+
+
+def _fwd_bwd_tma_vs_pointers():
+    """(forward out, lse, dq, dk, dv) with the TUNE in force, and the same with pointer loads everywhere."""
     g = torch.Generator().manual_seed(3)
     q, k, v, do = (torch.randn(1, 2, 150, 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4))
     kw = dict(causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -209,11 +219,13 @@ def test_tma_and_pointer_paths_agree():
         return (*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
 
     tma = fwd_bwd()
-    K.TUNE.update(fwd_tma=False, bwd_tma=False)
+    saved = dict(K.TUNE)
+    K.TUNE.update(fwd_tma=False, dq_tma=False, dkdv_tma=False)
     try:
         ptr = fwd_bwd()
         _run(N=150, row_sums=False)  # the pointer paths against the reference
     finally:
         K.TUNE.clear()
-    for a, b in zip(tma, ptr):
-        assert torch.equal(a, b)
+        K.TUNE.update(saved)
+    return tma, ptr
+

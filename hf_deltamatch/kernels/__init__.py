@@ -44,15 +44,22 @@ def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     return 64, 8, 2  # D=256: 2 warpgroups split the head dim, no spills (4 warps spilled ~800 B)
 
 
+# The head dims (max of Dqk, Dv) at which each kernel reads its FP8 tiles through TMA tensor descriptors by
+# default (H200, N=8192, same run, benchmarks/NOTES.md): the forward kernel 6-11 % faster at D 64/128, the
+# dQ kernel 9-10 % faster at D=128 but 2 % slower at D=64, the dK/dV kernel 5-20 % slower (opt-in only).
+TMA_HEAD_DIMS = {"fwd": (64, 128), "dq": (128,), "dkdv": ()}
+
+
 def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, *cu_seqlens) -> bool:
-    """Whether `kernel` ("fwd" or "bwd") loads its FP8 tiles through TMA tensor descriptors (H200, N=8192:
-    the forward kernel 6-11 % faster than with pointer loads, benchmarks/NOTES.md). fp8 only (q8, k8, v8,
-    dO8 and their token-major copies are contiguous buffers of ours, so 2-D descriptors over them are valid;
-    bf16 inputs may have any strides) and head dims <= 128 (measured). Token-major tiles start at a
-    sequence's first token in the innermost dimension: the H200 faulted (illegal instruction) on a varlen
-    batch whose starts were not multiples of 16 tokens, and the interpreter rejects them too, so such
-    batches take the pointer path. TUNE["fwd_tma"] / TUNE["bwd_tma"] = False forces the pointer path."""
-    if not (fp8 and max(dqk, dv) <= 128 and TUNE.get(f"{kernel}_tma", True)):
+    """Whether `kernel` ("fwd", "dq" or "dkdv") reads its FP8 tiles through TMA tensor descriptors. fp8 only
+    (q8, k8, v8, dO8 and their token-major copies are contiguous buffers of ours, so 2-D descriptors over
+    them are valid; bf16 inputs may have any strides); by default at the head dims of TMA_HEAD_DIMS, or
+    at any head dim <= 128 (True) / never (False) with TUNE[f"{kernel}_tma"]. Token-major tiles start at a sequence's first token in the innermost
+    dimension: the H200 faulted (illegal instruction) on a varlen batch whose starts were not multiples of
+    16 tokens, and the interpreter rejects them too, so such batches take the pointer path."""
+    d = max(dqk, dv)
+    want = TUNE.get(f"{kernel}_tma", d in TMA_HEAD_DIMS[kernel])
+    if not (fp8 and want and d <= 128):
         return False
     return not any(bool((cu[:-1] % 16).any()) for cu in cu_seqlens if cu is not None)
 
@@ -212,13 +219,14 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
-    tma = _use_tma("bwd", fp8, dqk, dv, cu_seqlens_q, cu_seqlens_k)
+    dq_tma = _use_tma("dq", fp8, dqk, dv, cu_seqlens_k)
+    kv_tma = _use_tma("dkdv", fp8, dqk, dv, cu_seqlens_q)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if N > 0 and max_n > 0:
         ka, kta, va = ks, ks, vs
         if fp8:
             k8t = kta = token_major(k8)
-        if tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
+        if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
             ka = TensorDescriptor(k8, [B * Hkv * M, dqk], [dqk, 1], [T, bdqk])
             kta = TensorDescriptor(k8t, [B * Hkv * dqk, M], [k8t.stride(3), 1], [bdqk, T])
             va = TensorDescriptor(v8, [B * Hkv * M, dv], [dv, 1], [T, bdv])
@@ -232,7 +240,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, TMA=tma,
+            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma,
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
@@ -240,7 +248,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         qa, qta, doa_, dota = qs, qs, doa, doa
         if fp8:
             q8t, do8t = qta, dota = token_major(q8), token_major(do8)
-        if tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
+        if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
             qa = TensorDescriptor(q8, [B * Hq * N, dqk], [dqk, 1], [DS_TILE_Q, bdqk])
             qta = TensorDescriptor(q8t, [B * Hq * dqk, N], [q8t.stride(3), 1], [bdqk, DS_TILE_Q])
             doa_ = TensorDescriptor(do8, [B * Hq * N, dv], [dv, 1], [DS_TILE_Q, bdv])
@@ -252,7 +260,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=tma,
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()

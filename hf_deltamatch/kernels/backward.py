@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._fp8 import cast_to, tile_scale, to_fp8
-from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible
+from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible, _zero_rows
 
 
 @triton.jit
@@ -35,6 +35,8 @@ def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, kv_row, offs_m, offs
     if TMA:
         k = K.load([kv_row, 0])
         v = V.load([kv_row, 0])
+        if MASK:  # zero the keys past the sequence, as the pointer path's masks do (see _fwd_inner)
+            v = _zero_rows(v, offs_n, m)
     else:
         k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
                      MASK, BLOCK_DQK != DQK)
@@ -94,6 +96,8 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                 c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
                 if TMA:  # k8 token-major, (Dqk, keys) tiles
                     kt = tl.trans(KT.load([kt_row, k0 + start_n]))
+                    if MASK:
+                        kt = _zero_rows(kt, offs_n, m)
                 else:
                     kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
                                   MASK, BLOCK_DQK != DQK)
@@ -262,6 +266,9 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, of
     if TMA:
         q = Q.load([q_row, 0])
         do = DO.load([q_row, 0])
+        if MASK:  # zero the queries past the sequence, as the pointer path's masks do (see _fwd_inner)
+            q = _zero_rows(q, offs_m, n)
+            do = _zero_rows(do, offs_m, n)
     else:
         q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
                      MASK, BLOCK_DQK != DQK)
@@ -322,6 +329,8 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
             cv = sdo_t / 256.0
             if TMA:  # token-major copies: (D, queries) tiles
                 dot_ = tl.trans(DOT.load([dt_row, q0 + start_m]))
+                if MASK:
+                    dot_ = _zero_rows(dot_, offs_m, n)
             else:
                 dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
                                 MASK, BLOCK_DV != DV)
@@ -333,6 +342,8 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
             ck = sds * sq_t
             if TMA:
                 qt = tl.trans(QT.load([qt_row, q0 + start_m]))
+                if MASK:
+                    qt = _zero_rows(qt, offs_m, n)
             else:
                 qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
                               MASK, BLOCK_DQK != DQK)

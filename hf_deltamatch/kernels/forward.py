@@ -36,6 +36,12 @@ def _load_2d(ptrs, rows, cols, R_LIM, C_LIM, MASK_R: tl.constexpr, MASK_C: tl.co
 
 
 @triton.jit
+def _zero_rows(x, rows, limit):
+    """x with the rows at or past `limit` set to zero (tiles that TMA loaded past a sequence's end)."""
+    return tl.where(rows[:, None] < limit, x, tl.zeros_like(x))
+
+
+@triton.jit
 def _per_row(x, SCALAR: tl.constexpr):
     """A per-row factor as a multiplier of a (rows, cols) tile: itself if scalar, else x[:, None]."""
     if SCALAR:
@@ -111,10 +117,13 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if TMA:
-            # rows past this sequence's keys (the next head's or sequence's, or TMA's zero fill) only ever
-            # meet masked scores, as with the pointer loads' masks
+            # Tiles may run past this sequence's keys (into the next head or sequence, or tokens outside every
+            # sequence, whose contents are unspecified): their scores are masked, and on masked tiles V is
+            # zeroed there as the pointer loads' masks do (P = 0 times a NaN would still be NaN).
             k = K.load([k_row + start_n, 0])
             v = tl.trans(V.load([v_row, k0 + start_n]))
+            if MASK:
+                v = _zero_rows(v, offs_n, m)
         else:
             k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
                          MASK, BLOCK_DQK != DQK)

@@ -73,11 +73,8 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
     scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
     if cu_seqlens is not None:
         nseq = cu_seqlens.numel() - 1
-        if N > 0 and int(cu_seqlens[-1]) < N:  # tokens outside every sequence keep a defined scale, and
-            scale.fill_(1.0)                   # zeros (not NaN garbage) where TMA tiles read past a sequence
-            for t in (y, yt):
-                if t is not None:
-                    t.zero_()
+        if N > 0 and int(cu_seqlens[-1]) < N:  # tokens outside every sequence keep a defined scale
+            scale.fill_(1.0)
     else:
         nseq, max_len = 1, N
     if N == 0 or B * H == 0 or nseq == 0:
