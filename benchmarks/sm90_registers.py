@@ -109,14 +109,14 @@ def main():
         fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
         dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
-        tma = K._use_tma("bwd", fp8, args.d, args.d)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
                                       TMA=K._use_tma("fwd", fp8, args.d, args.d)), fw, fs),
             "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
-                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q, TMA=tma), dw, ds),
-            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block, TMA=tma),
-                     kw, ks),
+                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
+                                        TMA=K._use_tma("dq", fp8, args.d, args.d)), dw, ds),
+            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block,
+                                            TMA=K._use_tma("dkdv", fp8, args.d, args.d)), kw, ks),
         }
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]

@@ -37,7 +37,8 @@ def _load_2d(ptrs, rows, cols, R_LIM, C_LIM, MASK_R: tl.constexpr, MASK_C: tl.co
 
 @triton.jit
 def _zero_rows(x, rows, limit):
-    """x with the rows at or past `limit` set to zero (tiles that TMA loaded past a sequence's end)."""
+    """x with the rows at or past `limit` set to zero: the backward's TMA tiles past a sequence's end, where
+    saved tensors hold unspecified values (a NaN there would survive P = 0)."""
     return tl.where(rows[:, None] < limit, x, tl.zeros_like(x))
 
 
@@ -117,13 +118,10 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if TMA:
-            # Tiles may run past this sequence's keys (into the next head or sequence, or tokens outside every
-            # sequence, whose contents are unspecified): their scores are masked, and on masked tiles V is
-            # zeroed there as the pointer loads' masks do (P = 0 times a NaN would still be NaN).
+            # Tiles may run past this sequence's keys (into the next head or sequence): their scores are
+            # masked, and V there is finite (v8t is quantize()'s, zero outside every sequence), so P = 0 kills it.
             k = K.load([k_row + start_n, 0])
             v = tl.trans(V.load([v_row, k0 + start_n]))
-            if MASK:
-                v = _zero_rows(v, offs_n, m)
         else:
             k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
                          MASK, BLOCK_DQK != DQK)

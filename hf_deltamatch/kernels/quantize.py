@@ -73,8 +73,10 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
     scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
     if cu_seqlens is not None:
         nseq = cu_seqlens.numel() - 1
-        if N > 0 and int(cu_seqlens[-1]) < N:  # tokens outside every sequence keep a defined scale
-            scale.fill_(1.0)
+        if N > 0 and int(cu_seqlens[-1]) < N:  # tokens outside every sequence keep a defined scale, and
+            scale.fill_(1.0)                   # the forward's token-major V zeros there (its TMA tiles read them)
+            if yt is not None:
+                yt.zero_()
     else:
         nseq, max_len = 1, N
     if N == 0 or B * H == 0 or nseq == 0:
