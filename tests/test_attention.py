@@ -142,6 +142,29 @@ def test_large_inputs_do_not_overflow_fp8():
         assert torch.isfinite(t).all()
 
 
+def uncancelled_grad_norms(q, k, v, do, causal, window):
+    """Norms of scale * A |K| and A^T |Q| (summed over each GQA group), A_ij = P_ij |dO_i o V_j|, float64: the
+    scale of dQ's and dK's FP8 error. Rounding dO and V to e4m3 (relative error ~2^-4 per element) moves
+    dP_ij = dO_i . V_j by about |dO_i o V_j| times that, however much the sum itself cancels; when the
+    cancellation in dP or in dS = P o (dP - delta) leaves a small gradient (e.g. two keys with nearly equal
+    dP), the error is relative to these norms, not to the gradient's own."""
+    q, k, v, do = (t.double() for t in (q, k, v, do))
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    n, m = q.shape[2], k.shape[2]
+    scale = q.shape[-1] ** -0.5
+    pos, cols = torch.arange(n)[:, None] + (m - n), torch.arange(m)[None, :]
+    keep = torch.ones(n, m, dtype=torch.bool)
+    if causal:
+        keep &= cols <= pos
+        if window is not None:
+            keep &= cols > pos - window
+    p = torch.nan_to_num(torch.softmax((q @ kk.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf")), -1))
+    a = p * (do.square() @ vv.square().transpose(-1, -2)).sqrt() * scale
+    dk = (a.transpose(-1, -2) @ q.abs()).unflatten(1, (k.shape[1], g)).sum(2)
+    return (a @ kk.abs()).norm().item(), dk.norm().item()
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     n=st.integers(1, 260), m_extra=st.integers(0, 120), hkv=st.sampled_from([1, 2]), groups=st.sampled_from([1, 3]),
@@ -156,11 +179,14 @@ def test_fuzzed_shapes(n, m_extra, hkv, groups, d, causal, block, window, precis
     kw = dict(causal=causal, window=window)
     got = run_op(q, k, v, do, DeltaMatchConfig(precision=precision, block=block), **kw)
     want = run_exact(q, k, v, do, **kw)
-    for x, y in zip(got, want):
+    tol = 0.2 if precision == "fp8" else 0.02  # short rows put single-element errors in the Frobenius norm
+    # dq, dk may instead be off by 4 % (fp8) of their error scale: where cancellation makes them small, FP8's
+    # error is relative to that scale (300 fuzzed shapes: the errors above 20 % were <= 1.8 % of it)
+    mags = (0.0, *uncancelled_grad_norms(q, k, v, do, **kw), 0.0)  # out, dq, dk, dv
+    for x, y, mag in zip(got, want, mags):
         assert torch.isfinite(x).all()
         if y.norm() > 1e-3 * y.numel() ** 0.5:  # skip relative error on ~empty gradients (e.g. one key)
-            # short rows put single-element errors in the Frobenius norm: looser than the bulk bound
-            assert rel(x, y) < (0.2 if precision == "fp8" else 0.02)
+            assert (x.double() - y).norm().item() < max(tol * y.norm().item(), tol / 5 * mag)
 
 
 @pytest.mark.slow

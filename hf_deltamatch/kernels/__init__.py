@@ -6,7 +6,9 @@ supports(q, k, v, window, config) -> None, or a one-line reason the kernels cann
 
 Saved tensors: q8/k8/v8 are plain contiguous (B, H, N, D) float8_e4m3fn tensors (row-major, same strides
 as torch.empty), scales contiguous (B, H, N) fp32. The token-major copies the FP8 matmuls want (v for the
-forward's P @ V; q, k, dO for the backward) are made on the fly and never saved.
+forward's P @ V; q, k, dO for the backward) are made on the fly and never saved, with token rows padded to
+16 bytes so that TMA tensor descriptors can cover them: the forward and (at D=128) the dQ kernel load their
+FP8 tiles through descriptors, the rest through masked pointer loads (_use_tma says where and why).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.D
 
 # Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py, benchmarks/sm90_registers.py):
 # {"fwd": (BLOCK_M, warps, stages), "dq": (BLOCK_M, warps, stages), "dkdv": (warps, stages), and per kernel
-# "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM)}.
+# "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM),
+# "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma)}.
 # Empty in normal use.
 TUNE: dict = {}
 
@@ -53,10 +56,11 @@ TMA_HEAD_DIMS = {"fwd": (64, 128), "dq": (128,), "dkdv": ()}
 def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, *cu_seqlens) -> bool:
     """Whether `kernel` ("fwd", "dq" or "dkdv") reads its FP8 tiles through TMA tensor descriptors. fp8 only
     (q8, k8, v8, dO8 and their token-major copies are contiguous buffers of ours, so 2-D descriptors over
-    them are valid; bf16 inputs may have any strides); by default at the head dims of TMA_HEAD_DIMS, or
-    at any head dim <= 128 (True) / never (False) with TUNE[f"{kernel}_tma"]. Token-major tiles start at a sequence's first token in the innermost
-    dimension: the H200 faulted (illegal instruction) on a varlen batch whose starts were not multiples of
-    16 tokens, and the interpreter rejects them too, so such batches take the pointer path."""
+    them are valid; bf16 inputs may have any strides); by default at the head dims of TMA_HEAD_DIMS, or at
+    any head dim <= 128 (True) / never (False) with TUNE[f"{kernel}_tma"]. Token-major tiles start at a
+    sequence's first token in the innermost dimension: the H200 faulted (illegal instruction) on a varlen
+    batch whose starts were not multiples of 16 tokens, and the interpreter rejects them too, so such
+    batches take the pointer path."""
     d = max(dqk, dv)
     want = TUNE.get(f"{kernel}_tma", d in TMA_HEAD_DIMS[kernel])
     if not (fp8 and want and d <= 128):

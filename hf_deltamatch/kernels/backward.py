@@ -13,7 +13,8 @@ Kernel 2, `_bwd_dkdv_kernel`, one program per key tile per KV head, looping over
   dK += (dS8^T @ q8) * sds * sq.
 Everything is deterministic (dQ is written once by its owner), so config.deterministic costs nothing.
 FP8 operands contracted over tokens (dO and q in kernel 2, k in kernel 1) are read from (D, N) copies
-(tokens contiguous) so every FP8 matmul gets K-major operands.
+(tokens contiguous) so every FP8 matmul gets K-major operands. TMA=True (kernels._use_tma): those tiles come
+through tensor descriptors, rows past a sequence zeroed on masked tiles (saved tensors are unspecified there).
 """
 
 import triton
