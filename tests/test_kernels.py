@@ -192,8 +192,13 @@ def test_tma_and_pointer_paths_agree():
     Both against the reference, and bit-identical to each other (the same products in the same order)."""
     assert K._use_tma("fwd", True, 128, 128) and not K._use_tma("dq", False, 128, 128)
     assert not K._use_tma("fwd", True, 192, 128) and not K._use_tma("dkdv", True, 128, 128)
-    cu_aligned = torch.tensor([0, 96, 160, 300], dtype=torch.int32)
-    assert K._use_tma("fwd", True, 64, 64, cu_aligned) and not K._use_tma("fwd", True, 64, 64, cu_aligned + 1)
+    assert not K._use_tma("fwd", True, 64, 64, starts_aligned=False)
+    z = torch.zeros(1, 1, 300, 64)
+    cu = torch.tensor([0, 96, 160, 300], dtype=torch.int32)
+    info = K._seq_info(z, z, cu, cu)  # (nseq, max_n, max_m, cu_q, cu_k, starts_aligned)
+    assert info[:3] == (3, 140, 140) and info[5] is True
+    assert K._seq_info(z, z, cu, cu + torch.tensor([0, 1, 0, 0], dtype=torch.int32))[5] is False
+    assert K._seq_info(z, z, None, None)[5] is True
     cases = [dict(N=200, M=230), dict(N=130, causal=False, Hq=4, Hkv=2),
              dict(N=300, M=320, cu=([0, 96, 160, 280], [0, 128, 176, 300]), window=50)]
     K.TUNE.update(fwd_tma=True, dq_tma=True, dkdv_tma=True)  # every kernel's TMA path, at D=64 too

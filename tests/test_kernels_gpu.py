@@ -99,7 +99,7 @@ def test_varlen_tma_aligned_starts():
     the pointer path, tests/test_kernels.py), tokens past the last sequence included (their q8/k8/v8 are
     unspecified, so the *_mismatch figures printed for this case count them)."""
     cu = torch.tensor([0, 1024, 1040, 3008], device="cuda")
-    assert K._use_tma("fwd", True, 128, 128, cu) and K._use_tma("bwd", True, 128, 128, cu, cu)
+    assert K._seq_info(cu, cu, cu, cu)[5] and K._use_tma("fwd", True, 128, 128) and K._use_tma("dq", True, 128, 128)
     _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1024, 1040, 3008], window=None)
 
 
@@ -204,7 +204,7 @@ def test_tma_ignores_tokens_outside_sequences():
         f[i][:, :, 272:] = float("nan")
     K.TUNE.update(fwd_tma=True, dq_tma=True, dkdv_tma=True)
     try:
-        assert K._use_tma("dq", True, D, D, cu)
+        assert K._seq_info(q, k, cu, cu)[5] and K._use_tma("dq", True, D, D)
         out_tma = K.forward(q, k, v, **kw)[0][:, :, :272]
         g_tma = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
         K.TUNE.update(fwd_tma=False, dq_tma=False, dkdv_tma=False)

@@ -53,19 +53,17 @@ def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
 TMA_HEAD_DIMS = {"fwd": (64, 128), "dq": (128,), "dkdv": ()}
 
 
-def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, *cu_seqlens) -> bool:
+def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, starts_aligned: bool = True) -> bool:
     """Whether `kernel` ("fwd", "dq" or "dkdv") reads its FP8 tiles through TMA tensor descriptors. fp8 only
     (q8, k8, v8, dO8 and their token-major copies are contiguous buffers of ours, so 2-D descriptors over
     them are valid; bf16 inputs may have any strides); by default at the head dims of TMA_HEAD_DIMS, or at
     any head dim <= 128 (True) / never (False) with TUNE[f"{kernel}_tma"]. Token-major tiles start at a
     sequence's first token in the innermost dimension: the H200 faulted (illegal instruction) on a varlen
     batch whose starts were not multiples of 16 tokens, and the interpreter rejects them too, so such
-    batches take the pointer path."""
+    batches (starts_aligned=False, from _seq_info) take the pointer path."""
     d = max(dqk, dv)
     want = TUNE.get(f"{kernel}_tma", d in TMA_HEAD_DIMS[kernel])
-    if not (fp8 and want and d <= 128):
-        return False
-    return not any(bool((cu[:-1] % 16).any()) for cu in cu_seqlens if cu is not None)
+    return fp8 and bool(want) and d <= 128 and starts_aligned
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -108,15 +106,20 @@ def supports(q, k, v, window, config) -> str | None:
 
 
 def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
-    """(nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k) of the launch grids, the cu_seqlens as contiguous
-    int32 for the kernels; dense batches are one 'sequence' per batch row."""
+    """(nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, starts_aligned) of the launch grids, the cu_seqlens as
+    contiguous int32 for the kernels; dense batches are one 'sequence' per batch row. starts_aligned: every
+    sequence starts at a multiple of 16 tokens (_use_tma). One host sync for a varlen batch, none for a dense one."""
     if cu_seqlens_q is None:
-        return 1, q.shape[2], k.shape[2], None, None
+        return 1, q.shape[2], k.shape[2], None, None, True
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
     cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
-    lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item() if cu_seqlens_q.numel() > 1 else 0
-    lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item() if cu_seqlens_k.numel() > 1 else 0
-    return cu_seqlens_q.numel() - 1, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k
+    nseq = cu_seqlens_q.numel() - 1
+    if nseq < 1:
+        return 0, 0, 0, cu_seqlens_q, cu_seqlens_k, True
+    lq, lk, rq, rk = torch.stack([(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max(),
+                                  (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max(),
+                                  (cu_seqlens_q[:-1] % 16).max(), (cu_seqlens_k[:-1] % 16).max()]).tolist()
+    return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0
 
 
 def _s4(t):
@@ -131,7 +134,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
-    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
     qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q)
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k)
     if fp8:
@@ -152,7 +155,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             lse.fill_(float("-inf"))
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
-    tma = _use_tma("fwd", fp8, dqk, dv, cu_seqlens_k)
+    tma = _use_tma("fwd", fp8, dqk, dv, aligned)
     BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
@@ -186,7 +189,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
-    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
     if stale and out is None:
         raise ValueError("delta='stale' needs the forward output.")
     lse = lse.contiguous()
@@ -223,8 +226,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
-    dq_tma = _use_tma("dq", fp8, dqk, dv, cu_seqlens_k)
-    kv_tma = _use_tma("dkdv", fp8, dqk, dv, cu_seqlens_q)
+    dq_tma = _use_tma("dq", fp8, dqk, dv, aligned)
+    kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if N > 0 and max_n > 0:
         ka, kta, va = ks, ks, vs
