@@ -21,7 +21,14 @@ import triton
 import triton.language as tl
 
 from ._fp8 import cast_to, tile_scale, to_fp8
-from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible, _zero_rows
+from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible
+
+
+@triton.jit
+def _zero_rows(x, rows, limit):
+    """x with the rows at or past `limit` set to zero: the backward's TMA tiles past a sequence's end, where
+    saved tensors hold unspecified values (a NaN there would survive P = 0)."""
+    return tl.where(rows[:, None] < limit, x, tl.zeros_like(x))
 
 
 @triton.jit

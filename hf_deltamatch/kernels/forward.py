@@ -38,13 +38,6 @@ def _load_2d(ptrs, rows, cols, R_LIM, C_LIM, MASK_R: tl.constexpr, MASK_C: tl.co
 
 
 @triton.jit
-def _zero_rows(x, rows, limit):
-    """x with the rows at or past `limit` set to zero: the backward's TMA tiles past a sequence's end, where
-    saved tensors hold unspecified values (a NaN there would survive P = 0)."""
-    return tl.where(rows[:, None] < limit, x, tl.zeros_like(x))
-
-
-@triton.jit
 def _per_row(x, SCALAR: tl.constexpr):
     """A per-row factor as a multiplier of a (rows, cols) tile: itself if scalar, else x[:, None]."""
     if SCALAR:
