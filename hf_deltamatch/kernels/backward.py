@@ -25,10 +25,23 @@ from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible
 
 
 @triton.jit
-def _zero_rows(x, rows, limit):
-    """x with the rows at or past `limit` set to zero: the backward's TMA tiles past a sequence's end, where
-    saved tensors hold unspecified values (a NaN there would survive P = 0)."""
-    return tl.where(rows[:, None] < limit, x, tl.zeros_like(x))
+def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexpr, MASK_C: tl.constexpr,
+          TMA: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
+    """A (rows, cols) tile. Pointer path: masked load at X + offs_r * s_r + offs_c * s_c. TMA: X is a descriptor,
+    read at [row, col] (token-major: a (cols, rows) box, transposed); on masked tiles the rows at or past R_LIM
+    are zeroed as the pointer masks would, since saved tensors are unspecified there and a NaN would survive
+    P = 0."""
+    if TMA:
+        if TOKEN_MAJOR:
+            x = tl.trans(X.load([row, col]))
+        else:
+            x = X.load([row, col])
+        if MASK:
+            x = tl.where(offs_r[:, None] < R_LIM, x, tl.zeros_like(x))
+        return x
+    else:
+        return _load_2d(X + offs_r[:, None] * s_r + offs_c[None, :] * s_c, offs_r, offs_c, R_LIM, C_LIM,
+                        MASK, MASK_C)
 
 
 @triton.jit
@@ -37,19 +50,11 @@ def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, kv_row, offs_m, offs
           MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
           INTERP: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr):
     """P = exp(S - LSE) and dP (fp32, scales applied) for query rows offs_m and keys offs_n; also returns k.
-    TMA: K, V are descriptors and kv_row the tile's first row in them (rows past the sequence are masked)."""
+    TMA: K, V are descriptors and kv_row the tile's first row in them (see _tile)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if TMA:
-        k = K.load([kv_row, 0])
-        v = V.load([kv_row, 0])
-        if MASK:  # zero the keys past the sequence, as the pointer path's masks do (see _fwd_inner)
-            v = _zero_rows(v, offs_n, m)
-    else:
-        k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
-                     MASK, BLOCK_DQK != DQK)
-        v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
-                     MASK, BLOCK_DV != DV)
+    k = _tile(K, kv_row, 0, offs_n, offs_dqk, skn, skd, m, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
+    v = _tile(V, kv_row, 0, offs_n, offs_dv, svn, svd, m, DV, MASK, BLOCK_DV != DV, TMA, False)
     if INTERP and not FP8:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -102,13 +107,8 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                 # unit is already busy with exp2 (the reciprocal is per tile; pow2 scales make it exact)
                 r = _per_row(1.0 / sds, ONE_TILE)
                 c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
-                if TMA:  # k8 token-major, (Dqk, keys) tiles
-                    kt = tl.trans(KT.load([kt_row, k0 + start_n]))
-                    if MASK:
-                        kt = _zero_rows(kt, offs_n, m)
-                else:
-                    kt = _load_2d(KT + offs_n[:, None] * ktn + offs_dqk[None, :] * ktd, offs_n, offs_dqk, m, DQK,
-                                  MASK, BLOCK_DQK != DQK)
+                kt = _tile(KT, kt_row, k0 + start_n, offs_n, offs_dqk, ktn, ktd, m, DQK, MASK, BLOCK_DQK != DQK,
+                           TMA, True)
                 dq = tl.dot(to_fp8(ds * r, E5M2, INTERP), kt, dq * _per_row(c_dq / c, ONE_TILE))
                 c_dq = c
             else:
@@ -268,20 +268,11 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, of
             MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
             INTERP: tl.constexpr, TMA: tl.constexpr):
     """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m; also the loaded q, dO.
-    TMA: Q, DO are descriptors and q_row the tile's first row (rows past the sequence get P = 0: LSE = +inf)."""
+    TMA: Q, DO are descriptors and q_row the tile's first row in them (see _tile)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if TMA:
-        q = Q.load([q_row, 0])
-        do = DO.load([q_row, 0])
-        if MASK:  # zero the queries past the sequence, as the pointer path's masks do (see _fwd_inner)
-            q = _zero_rows(q, offs_m, n)
-            do = _zero_rows(do, offs_m, n)
-    else:
-        q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
-                     MASK, BLOCK_DQK != DQK)
-        do = _load_2d(DO + offs_m[:, None] * sdon + offs_dv[None, :] * sdod, offs_m, offs_dv, n, DV,
-                      MASK, BLOCK_DV != DV)
+    q = _tile(Q, q_row, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
+    do = _tile(DO, q_row, 0, offs_m, offs_dv, sdon, sdod, n, DV, MASK, BLOCK_DV != DV, TMA, False)
     if INTERP and not FP8:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -335,26 +326,15 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
         if FP8:
             # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
             cv = sdo_t / 256.0
-            if TMA:  # token-major copies: (D, queries) tiles
-                dot_ = tl.trans(DOT.load([dt_row, q0 + start_m]))
-                if MASK:
-                    dot_ = _zero_rows(dot_, offs_m, n)
-            else:
-                dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV,
-                                MASK, BLOCK_DV != DV)
+            dot_ = _tile(DOT, dt_row, q0 + start_m, offs_m, offs_dv, dtn, dtd, n, DV, MASK, BLOCK_DV != DV, TMA, True)
             dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv * (c_dv / cv))
             c_dv = cv
             amax = tl.max(tl.max(tl.abs(dst), 1), 0)
             sds = tile_scale(amax, FMAX, POW2)
             r = 1.0 / sds  # multiply, not divide per element (see _dq_inner)
             ck = sds * sq_t
-            if TMA:
-                qt = tl.trans(QT.load([qt_row, q0 + start_m]))
-                if MASK:
-                    qt = _zero_rows(qt, offs_m, n)
-            else:
-                qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK,
-                              MASK, BLOCK_DQK != DQK)
+            qt = _tile(QT, qt_row, q0 + start_m, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK,
+                       TMA, True)
             dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / ck))
             c_dk = ck
         else:
