@@ -234,3 +234,22 @@ def _fwd_bwd_tma_vs_pointers():
         K.TUNE.update(saved)
     return tma, ptr
 
+
+
+def test_backward_non_contiguous_saved_tensors_take_pointer_path():
+    """The backward's descriptors assume forward()'s contiguous q8/k8/v8; strided ones must still be right."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v, do = (torch.randn(1, 2, 130, 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4))
+    kw = dict(causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    f = R.forward(q, k, v, **kw)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in f[2:5]]  # same values, (B, N, H, D) storage
+    assert not strided[0].is_contiguous()
+    K.TUNE.update(dq_tma=True, dkdv_tma=True)
+    try:
+        want = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+        got = K.backward(do, q, k, v, f[0], f[1], *strided, *f[5:], **kw)
+    finally:
+        K.TUNE.clear()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

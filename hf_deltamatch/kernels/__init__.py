@@ -226,6 +226,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
+    # the descriptors below assume the saved q8/k8/v8 are contiguous, as forward() makes them
+    aligned = aligned and fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
     dq_tma = _use_tma("dq", fp8, dqk, dv, aligned)
     kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
