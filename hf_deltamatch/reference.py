@@ -242,7 +242,7 @@ def _quantize_inputs(x: torch.Tensor, segments, which: int, cfg: DeltaMatchConfi
 
     which: 0 for query-side tensors (q, dO), 2 for key-side ones (k, v): the index into a segment.
     """
-    x8 = torch.empty(x.shape, dtype=FP8_DTYPE[fmt], device=x.device)
+    x8 = torch.zeros(x.shape, dtype=FP8_DTYPE[fmt], device=x.device)  # 0 outside every sequence (numerics.md)
     scale = torch.ones(x.shape[:-1], dtype=torch.float32, device=x.device)
     for seg in segments:
         a, b = seg[which], seg[which + 1]

@@ -253,3 +253,18 @@ def test_backward_non_contiguous_saved_tensors_take_pointer_path():
         K.TUNE.clear()
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernels"])
+def test_saved_fp8_zero_outside_sequences(backend):
+    """docs/numerics.md: varlen tokens outside every sequence are stored as 0 with scale 1 (TMA tiles read them)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 300, 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(3))
+    cu = torch.tensor([0, 96, 160, 272], dtype=torch.int32, device=DEV)
+    f = (R if backend == "reference" else K).forward(
+        q, k, v, causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=cu, cu_seqlens_k=cu,
+        config=DeltaMatchConfig())
+    for t in f[2:5]:
+        assert not t[:, :, 272:].float().any() and t[:, :, :272].float().any()
+    for t in f[5:8]:
+        assert torch.equal(t[:, :, 272:], torch.ones_like(t[:, :, 272:]))

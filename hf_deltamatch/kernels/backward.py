@@ -14,7 +14,7 @@ Kernel 2, `_bwd_dkdv_kernel`, one program per key tile per KV head, looping over
 Everything is deterministic (dQ is written once by its owner), so config.deterministic costs nothing.
 FP8 operands contracted over tokens (dO and q in kernel 2, k in kernel 1) are read from (D, N) copies
 (tokens contiguous) so every FP8 matmul gets K-major operands. TMA=True (kernels._use_tma): those tiles come
-through tensor descriptors, rows past a sequence zeroed on masked tiles (saved tensors are unspecified there).
+through tensor descriptors (see _tile for the rows they read past a sequence).
 """
 
 import triton
@@ -28,17 +28,15 @@ from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible
 def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexpr, MASK_C: tl.constexpr,
           TMA: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
     """A (rows, cols) tile. Pointer path: masked load at X + offs_r * s_r + offs_c * s_c. TMA: X is a descriptor,
-    read at [row, col] (token-major: a (cols, rows) box, transposed); on masked tiles the rows at or past R_LIM
-    are zeroed as the pointer masks would, since saved tensors are unspecified there and a NaN would survive
-    P = 0."""
+    read at [row, col] (token-major: a (cols, rows) box, transposed). Rows past R_LIM then hold the next head's
+    or sequence's tokens, or zeros (outside every sequence, docs/numerics.md; TMA's fill past the tensor):
+    finite, and the score masks give them P = 0. (Zeroing them here instead cost the dQ kernel ~1800 more byte
+    permutes/selects in its masked loop, sm_90 SASS.)"""
     if TMA:
         if TOKEN_MAJOR:
-            x = tl.trans(X.load([row, col]))
+            return tl.trans(X.load([row, col]))
         else:
-            x = X.load([row, col])
-        if MASK:
-            x = tl.where(offs_r[:, None] < R_LIM, x, tl.zeros_like(x))
-        return x
+            return X.load([row, col])
     else:
         return _load_2d(X + offs_r[:, None] * s_r + offs_c[None, :] * s_c, offs_r, offs_c, R_LIM, C_LIM,
                         MASK, MASK_C)

@@ -113,8 +113,8 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if TMA:
-            # Tiles may run past this sequence's keys (into the next head or sequence): their scores are
-            # masked, and V there is finite (v8t is quantize()'s, zero outside every sequence), so P = 0 kills it.
+            # Tiles may run past this sequence's keys (into the next head or sequence, or zeros outside
+            # every sequence): finite values whose scores are masked, so P = 0 removes them.
             k = K.load([k_row + start_n, 0])
             v = tl.trans(V.load([v_row, k0 + start_n]))
         else:

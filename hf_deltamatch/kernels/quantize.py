@@ -62,22 +62,21 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
     """Quantize x (B, H, N, D) per `block`-token tile. Returns (y or None, yt or None, scale (B, H, N)).
 
     yt is a (B, H, N, D) view of a (B, H, D, N16) buffer (tokens contiguous, N rounded up to 16).
+    Varlen: tokens outside every sequence get zeros and scale 1 (docs/numerics.md; TMA tiles read them).
     """
     B, H, N, D = x.shape
     dt = FP8_TORCH[fmt]
-    y = torch.empty((B, H, N, D), dtype=dt, device=x.device) if row_major else None
+    alloc = torch.zeros if cu_seqlens is not None else torch.empty
+    y = alloc((B, H, N, D), dtype=dt, device=x.device) if row_major else None
     yt = None
     if transposed:  # token stride padded to 16 bytes, as a TMA descriptor over (B*H*D, N) needs
         n16 = -(-N // 16) * 16
-        yt = torch.empty((B, H, D, n16), dtype=dt, device=x.device)[..., :N].transpose(-1, -2)
-    scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
+        yt = alloc((B, H, D, n16), dtype=dt, device=x.device)[..., :N].transpose(-1, -2)
     if cu_seqlens is not None:
+        scale = torch.ones((B, H, N), dtype=torch.float32, device=x.device)
         nseq = cu_seqlens.numel() - 1
-        if N > 0 and int(cu_seqlens[-1]) < N:  # tokens outside every sequence keep a defined scale, and
-            scale.fill_(1.0)                   # the forward's token-major V zeros there (its TMA tiles read them)
-            if yt is not None:
-                yt.zero_()
     else:
+        scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
         nseq, max_len = 1, N
     if N == 0 or B * H == 0 or nseq == 0:
         return y, yt, scale
