@@ -21,25 +21,7 @@ import triton
 import triton.language as tl
 
 from ._fp8 import cast_to, tile_scale, to_fp8
-from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _visible
-
-
-@triton.jit
-def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexpr, MASK_C: tl.constexpr,
-          TMA: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
-    """A (rows, cols) tile. Pointer path: masked load at X + offs_r * s_r + offs_c * s_c. TMA: X is a descriptor,
-    read at [row, col] (token-major: a (cols, rows) box, transposed). Rows past R_LIM then hold the next head's
-    or sequence's tokens, or zeros (outside every sequence, docs/numerics.md; TMA's fill past the tensor):
-    finite, and the score masks give them P = 0. (Zeroing them here instead cost the dQ kernel ~1800 more byte
-    permutes/selects in its masked loop, sm_90 SASS.)"""
-    if TMA:
-        if TOKEN_MAJOR:
-            return tl.trans(X.load([row, col]))
-        else:
-            return X.load([row, col])
-    else:
-        return _load_2d(X + offs_r[:, None] * s_r + offs_c[None, :] * s_c, offs_r, offs_c, R_LIM, C_LIM,
-                        MASK, MASK_C)
+from .forward import _key_ranges, _load_2d, _per_row, _seq_bounds, _tile, _visible
 
 
 @triton.jit

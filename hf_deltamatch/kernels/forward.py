@@ -38,6 +38,24 @@ def _load_2d(ptrs, rows, cols, R_LIM, C_LIM, MASK_R: tl.constexpr, MASK_C: tl.co
 
 
 @triton.jit
+def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexpr, MASK_C: tl.constexpr,
+          TMA: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
+    """A (rows, cols) tile. Pointer path: masked load at X + offs_r * s_r + offs_c * s_c. TMA: X is a descriptor,
+    read at [row, col] (token-major: a (cols, rows) box, transposed). Rows past R_LIM then hold the next head's
+    or sequence's tokens, or zeros (outside every sequence, docs/numerics.md; TMA's fill past the tensor):
+    finite, and the score masks give them P = 0. (Zeroing them here instead cost the backward's dQ kernel ~1800
+    more byte permutes/selects in its masked loop, sm_90 SASS.)"""
+    if TMA:
+        if TOKEN_MAJOR:
+            return tl.trans(X.load([row, col]))
+        else:
+            return X.load([row, col])
+    else:
+        return _load_2d(X + offs_r[:, None] * s_r + offs_c[None, :] * s_c, offs_r, offs_c, R_LIM, C_LIM,
+                        MASK, MASK_C)
+
+
+@triton.jit
 def _per_row(x, SCALAR: tl.constexpr):
     """A per-row factor as a multiplier of a (rows, cols) tile: itself if scalar, else x[:, None]."""
     if SCALAR:
@@ -112,16 +130,8 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
     offs_dv = tl.arange(0, BLOCK_DV)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if TMA:
-            # Tiles may run past this sequence's keys (into the next head or sequence, or zeros outside
-            # every sequence): finite values whose scores are masked, so P = 0 removes them.
-            k = K.load([k_row + start_n, 0])
-            v = tl.trans(V.load([v_row, k0 + start_n]))
-        else:
-            k = _load_2d(K + offs_n[:, None] * skn + offs_dqk[None, :] * skd, offs_n, offs_dqk, m, DQK,
-                         MASK, BLOCK_DQK != DQK)
-            v = _load_2d(V + offs_n[:, None] * svn + offs_dv[None, :] * svd, offs_n, offs_dv, m, DV,
-                         MASK, BLOCK_DV != DV)
+        k = _tile(K, k_row + start_n, 0, offs_n, offs_dqk, skn, skd, m, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
+        v = _tile(V, v_row, k0 + start_n, offs_n, offs_dv, svn, svd, m, DV, MASK, BLOCK_DV != DV, TMA, True)
         if INTERP and not FP8:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -189,11 +199,8 @@ def _fwd_kernel(
     # TMA: row offsets into the 2-D views the descriptors cover ((B*Hq*N, Dqk), (B*Hkv*M, Dqk), (B*Hkv*Dv, M))
     k_row = (b * Hkv + hk) * M + k0
     v_row = (b * Hkv + hk) * DV
-    if TMA:
-        q = Q.load([(b * Hq + h) * N + q0 + start_m, 0])
-    else:
-        q = _load_2d(Qb + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK,
-                     True, BLOCK_DQK != DQK)
+    q = _tile(Qb, (b * Hq + h) * N + q0 + start_m, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, True, BLOCK_DQK != DQK,
+              TMA, False)
     if INTERP and not FP8:
         q = q.to(tl.float32)
     # BLOCK_M <= BLOCK_N: the block lies in one quantization tile of q (blocks and tiles both start at each
