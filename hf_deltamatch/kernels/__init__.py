@@ -122,6 +122,16 @@ def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
     return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0
 
 
+def _desc(x, tokens: int, dims: int):
+    """TMA descriptor over a 2-D view of x (B, H, N, D), boxes of `tokens` x `dims` elements: (B*H*N, D) for
+    our contiguous row-major tensors, (B*H*D, N) for a token-major view of (B, H, D, N16) storage (boxes then
+    `dims` x `tokens`, read transposed by _tile)."""
+    B, H, N, D = x.shape
+    if x.stride(2) == 1:  # token-major
+        return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], [dims, tokens])
+    return TensorDescriptor(x, [B * H * N, D], [D, 1], [tokens, dims])
+
+
 def _s4(t):
     return t.stride() if t is not None else (0, 0, 0, 0)
 
@@ -159,9 +169,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
-        qa = TensorDescriptor(q8, [B * Hq * N, dqk], [dqk, 1], [BLOCK_M, bdqk])
-        ka = TensorDescriptor(k8, [B * Hkv * M, dqk], [dqk, 1], [T, bdqk])
-        va = TensorDescriptor(v8t, [B * Hkv * dv, M], [v8t.stride(3), 1], [bdv, T])
+        qa, ka, va = _desc(q8, BLOCK_M, bdqk), _desc(k8, T, bdqk), _desc(v8t, T, bdv)
     dummy = lse
     grid = (triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq)
     _fwd_kernel[grid](
@@ -236,9 +244,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if fp8:
             k8t = kta = token_major(k8)
         if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
-            ka = TensorDescriptor(k8, [B * Hkv * M, dqk], [dqk, 1], [T, bdqk])
-            kta = TensorDescriptor(k8t, [B * Hkv * dqk, M], [k8t.stride(3), 1], [bdqk, T])
-            va = TensorDescriptor(v8, [B * Hkv * M, dv], [dv, 1], [T, bdv])
+            ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
         o_arg = out if stale else do
         grid = (triton.cdiv(max_n, dq_m), B * Hq, nseq)
         _bwd_dq_kernel[grid](
@@ -258,10 +264,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if fp8:
             q8t, do8t = qta, dota = token_major(q8), token_major(do8)
         if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
-            qa = TensorDescriptor(q8, [B * Hq * N, dqk], [dqk, 1], [DS_TILE_Q, bdqk])
-            qta = TensorDescriptor(q8t, [B * Hq * dqk, N], [q8t.stride(3), 1], [bdqk, DS_TILE_Q])
-            doa_ = TensorDescriptor(do8, [B * Hq * N, dv], [dv, 1], [DS_TILE_Q, bdv])
-            dota = TensorDescriptor(do8t, [B * Hq * dv, N], [do8t.stride(3), 1], [bdv, DS_TILE_Q])
+            qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
+            doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
         grid = (triton.cdiv(max_m, T), B * Hkv, nseq)
         _bwd_dkdv_kernel[grid](
             qa, qta, ks, vs, doa_, dota,
