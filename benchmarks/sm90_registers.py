@@ -81,11 +81,19 @@ def usage(fn, constexprs, warps, stages, maxnreg=None):
                              capture_output=True, text=True).stdout
         sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
                               capture_output=True, text=True).stdout
+    # ptxas's own verdict on the wgmma pipeline: C7510-C7520 "wgmma.mma_async instructions are serialized due to
+    # ..." means it waits after every wgmma (Triton does not show ptxas's info lines)
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(c.asm["ptx"])
+        f.flush()
+        log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    serialized = re.findall(r"serialized due to ([^']*?) in the function", log)
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
     mma = sorted(set(re.findall(r"[QH]GMMA\.[\w.]+", sass)))
     return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=int(stack.group(1)) if stack else None,
-                smem=c.metadata.shared, mma=mma)
+                smem=c.metadata.shared, mma=mma, serialized="; ".join(serialized) or "no")
 
 
 def common(d, fp8, causal):
@@ -111,18 +119,18 @@ def main():
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
-                                      TMA=K._use_tma("fwd", fp8, args.d, args.d)), fw, fs),
+                                      TMA=K._use_tma("fwd", fp8, args.d, args.d), RETIRE=K._retire("fwd")), fw, fs),
             "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
                                         ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
-                                        TMA=K._use_tma("dq", fp8, args.d, args.d)), dw, ds),
+                                        TMA=K._use_tma("dq", fp8, args.d, args.d), RETIRE=K._retire("dq")), dw, ds),
             "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block,
-                                            TMA=K._use_tma("dkdv", fp8, args.d, args.d)), kw, ks),
+                                            TMA=K._use_tma("dkdv", fp8, args.d, args.d), RETIRE=K._retire("dkdv")), kw, ks),
         }
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))
             print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
-                  f"smem={u['smem']} {' '.join(u['mma'])}", flush=True)
+                  f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']}", flush=True)
     K.TUNE.clear()
 
 

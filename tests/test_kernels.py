@@ -268,3 +268,17 @@ def test_saved_fp8_zero_outside_sequences(backend):
         assert not t[:, :, 272:].float().any() and t[:, :, :272].float().any()
     for t in f[5:8]:
         assert torch.equal(t[:, :, 272:], torch.ones_like(t[:, :, 272:]))
+
+
+def test_unknown_tune_key_is_refused():
+    """A misspelt launch-config override would time the defaults under the wrong name."""
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16, device=DEV)
+    kw = dict(causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    K.TUNE.update(bwd_tma=False)
+    try:
+        with pytest.raises(KeyError, match="bwd_tma"):
+            K.forward(q, q, q, **kw)
+    finally:
+        K.TUNE.clear()
+    K.forward(q, q, q, **kw)

@@ -112,14 +112,18 @@ def test_tma_equals_pointer_paths():
         f = K.forward(q, k, v, **kw)
         return (*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
 
-    tma = fwd_bwd()
-    K.TUNE.update(fwd_tma=False, bwd_tma=False)
-    try:
-        ptr = fwd_bwd()
-    finally:
-        K.TUNE.clear()
-    for a, b in zip(tma, ptr):
-        assert torch.equal(a, b)
+    runs = {}
+    for name, tune in {"tma": dict(fwd_tma=True, dq_tma=True, dkdv_tma=True),
+                       "pointers": dict(fwd_tma=False, dq_tma=False, dkdv_tma=False),
+                       "tma, MMAs left in flight": dict(fwd_tma=True, dq_tma=True, dkdv_tma=True, retire=False)}.items():
+        K.TUNE.update(tune)
+        try:
+            runs[name] = fwd_bwd()
+        finally:
+            K.TUNE.clear()
+    for name in ("pointers", "tma, MMAs left in flight"):
+        for a, b in zip(runs["tma"], runs[name]):
+            assert torch.equal(a, b), name
 
 
 def test_e5m2_pow2():

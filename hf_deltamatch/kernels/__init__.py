@@ -32,9 +32,19 @@ DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.D
 # Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py, benchmarks/sm90_registers.py):
 # {"fwd": (BLOCK_M, warps, stages), "dq": (BLOCK_M, warps, stages), "dkdv": (warps, stages), and per kernel
 # "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM),
-# "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma)}.
+# "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma),
+# "retire" or "fwd_retire" / "dq_retire" / "dkdv_retire": False leaves accumulating MMAs in flight (see _retire)}.
 # Empty in normal use.
 TUNE: dict = {}
+TUNE_KEYS = {"fwd", "dq", "dkdv", "retire"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
+                                               for o in ("maxnreg", "tma", "retire")}
+
+
+def _check_tune():
+    """A misspelt TUNE key would silently time the defaults: refuse it."""
+    unknown = set(TUNE) - TUNE_KEYS
+    if unknown:
+        raise KeyError(f"unknown kernels.TUNE keys {sorted(unknown)}; known: {sorted(TUNE_KEYS)}")
 
 
 def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
@@ -64,6 +74,11 @@ def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, starts_aligned: bool = T
     d = max(dqk, dv)
     want = TUNE.get(f"{kernel}_tma", d in TMA_HEAD_DIMS[kernel])
     return fp8 and bool(want) and d <= 128 and starts_aligned
+
+
+def _retire(kernel: str) -> bool:
+    """EXPERIMENT: wait on each accumulating MMA within its iteration (see _fp8.retire)."""
+    return bool(TUNE.get(f"{kernel}_retire", TUNE.get("retire", True)))
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -144,6 +159,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
+    _check_tune()
     nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
     qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q)
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k)
@@ -180,7 +196,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
         BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
-        INTERP=INTERPRET, TMA=tma, num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
+        INTERP=INTERPRET, TMA=tma, RETIRE=_retire("fwd"), num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
 
@@ -197,6 +213,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
+    _check_tune()
     nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
     if stale and out is None:
         raise ValueError("delta='stale' needs the forward output.")
@@ -255,7 +272,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma,
+            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, RETIRE=_retire("dq"),
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
@@ -273,7 +290,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma, RETIRE=_retire("dkdv"),
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()
