@@ -112,16 +112,17 @@ def test_tma_equals_pointer_paths():
         f = K.forward(q, k, v, **kw)
         return (*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
 
+    tma = dict(fwd_tma=True, dq_tma=True, dkdv_tma=True)
+    flipped = {f"{k}_wait_mma": not K._wait_mma(k) for k in ("fwd", "dq", "dkdv")}  # waiting changes no bit
     runs = {}
-    for name, tune in {"tma": dict(fwd_tma=True, dq_tma=True, dkdv_tma=True),
-                       "pointers": dict(fwd_tma=False, dq_tma=False, dkdv_tma=False),
-                       "tma, MMAs left in flight": dict(fwd_tma=True, dq_tma=True, dkdv_tma=True, retire=False)}.items():
+    for name, tune in {"tma": tma, "pointers": dict(fwd_tma=False, dq_tma=False, dkdv_tma=False),
+                       "tma, MMA waits flipped": dict(tma, **flipped)}.items():
         K.TUNE.update(tune)
         try:
             runs[name] = fwd_bwd()
         finally:
             K.TUNE.clear()
-    for name in ("pointers", "tma, MMAs left in flight"):
+    for name in ("pointers", "tma, MMA waits flipped"):
         for a, b in zip(runs["tma"], runs[name]):
             assert torch.equal(a, b), name
 

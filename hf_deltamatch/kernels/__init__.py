@@ -33,11 +33,11 @@ DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.D
 # {"fwd": (BLOCK_M, warps, stages), "dq": (BLOCK_M, warps, stages), "dkdv": (warps, stages), and per kernel
 # "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM),
 # "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma),
-# "retire" or "fwd_retire" / "dq_retire" / "dkdv_retire": False leaves accumulating MMAs in flight (see _retire)}.
+# "fwd_wait_mma" / "dq_wait_mma" / "dkdv_wait_mma": True / False to wait on accumulating MMAs inside the loop
+# iteration or not (see _wait_mma)}.
 # Empty in normal use.
 TUNE: dict = {}
-TUNE_KEYS = {"fwd", "dq", "dkdv", "retire"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
-                                               for o in ("maxnreg", "tma", "retire")}
+TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv") for o in ("maxnreg", "tma", "wait_mma")}
 
 
 def _check_tune():
@@ -76,9 +76,16 @@ def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, starts_aligned: bool = T
     return fp8 and bool(want) and d <= 128 and starts_aligned
 
 
-def _retire(kernel: str) -> bool:
-    """EXPERIMENT: wait on each accumulating MMA within its iteration (see _fp8.retire)."""
-    return bool(TUNE.get(f"{kernel}_retire", TUNE.get("retire", True)))
+# The kernels whose loops wait on their accumulating MMA (O, dQ, dK/dV) inside each iteration (forward._mma_done).
+# H200, N=8192, same run (benchmarks/NOTES.md): the dQ kernel 5-10 % faster waiting; the forward 2 % (D=128
+# causal) to 19 % (D=64) slower, its MMAs serialized by ptxas but overlapping across iterations; dK/dV (pointer
+# loads, not serialized either way) even at causal, 7 % slower waiting on the full mask.
+WAIT_MMA = ("dq",)
+
+
+def _wait_mma(kernel: str) -> bool:
+    """Whether `kernel` waits on its accumulating MMA inside each loop iteration (WAIT_MMA, TUNE)."""
+    return bool(TUNE.get(f"{kernel}_wait_mma", kernel in WAIT_MMA))
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -196,7 +203,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
         BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
-        INTERP=INTERPRET, TMA=tma, RETIRE=_retire("fwd"), num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
+        INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd"), num_warps=warps, num_stages=stages,
+        **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
 
@@ -272,7 +280,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, RETIRE=_retire("dq"),
+            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq"),
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
@@ -290,7 +298,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma, RETIRE=_retire("dkdv"),
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma, WAIT_MMA=_wait_mma("dkdv"),
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()

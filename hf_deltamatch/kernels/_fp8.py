@@ -74,12 +74,3 @@ def cast_to(x, dtype: tl.constexpr, INTERP: tl.constexpr):
         return _round_to_bf16_grid(x).to(dtype)
     return x.to(dtype)
 
-
-@triton.jit
-def retire(x, INTERP: tl.constexpr):
-    """x unchanged, through an opaque register move (EXPERIMENT: forces Triton to wait on the MMA producing x
-    within the iteration instead of keeping it in flight across the loop's back edge)."""
-    if INTERP:
-        return x
-    else:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)

@@ -19,7 +19,7 @@ masked pointer loads (6-11 % faster on the H200; no masks on loads, the score ma
 import triton
 import triton.language as tl
 
-from ._fp8 import cast_to, retire, to_fp8
+from ._fp8 import cast_to, to_fp8
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -53,6 +53,19 @@ def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexp
     else:
         return _load_2d(X + offs_r[:, None] * s_r + offs_c[None, :] * s_c, offs_r, offs_c, R_LIM, C_LIM,
                         MASK, MASK_C)
+
+
+@triton.jit
+def _mma_done(acc, INTERP: tl.constexpr):
+    """acc, once the MMA that produced it has completed: an opaque register move makes Triton wait on the MMA
+    inside the iteration instead of leaving it in flight across the loop's back edge. Left in flight, ptxas
+    serializes every wgmma of the kernel (its info C7515/C7513, benchmarks/sm90_registers.py). Which costs
+    more is measured per kernel (H200: the dQ kernel 5-10 % faster waiting, the forward 2-19 % slower,
+    benchmarks/NOTES.md), hence WAIT_MMA per kernel (kernels.WAIT_MMA)."""
+    if INTERP:
+        return acc
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -125,7 +138,7 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr,
-               RETIRE: tl.constexpr):
+               WAIT_MMA: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -162,8 +175,8 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
             acc = tl.dot(cast_to(p, V.dtype.element_ty, INTERP).to(tl.float32), v, acc * alpha[:, None])
         else:
             acc = tl.dot(p.to(V.dtype.element_ty), v, acc * alpha[:, None])
-        if RETIRE:
-            acc = retire(acc, INTERP)
+        if WAIT_MMA:
+            acc = _mma_done(acc, INTERP)
         m_i = m_new
     return acc, l_i, m_i, c_acc
 
@@ -177,7 +190,7 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     INTERP: tl.constexpr, TMA: tl.constexpr,  # TMA: Q, K, V are tensor descriptors (fp8, see forward())
-    RETIRE: tl.constexpr,
+    WAIT_MMA: tl.constexpr,
 ):
     # heaviest (last, under causal) query blocks first: better tail balance
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -226,11 +239,14 @@ def _fwd_kernel(
     args = (q, row_f, Kb, Vb, SKb, SVb, skn, skd, svn, svd, k_row, v_row, k0, start_m)
     if HAS_WINDOW:
         acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N,
-                                          BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA, RETIRE)
+                                          BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
+                                          WAIT_MMA)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N,
-                                      BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA, RETIRE)
+                                      BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
+                                      WAIT_MMA)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N,
-                                      BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA, RETIRE)
+                                      BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
+                                          WAIT_MMA)
 
     if FP8:
         l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
