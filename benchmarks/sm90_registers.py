@@ -118,15 +118,15 @@ def main():
         fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
         dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
-        wait = {k: K._wait_mma(k) for k in ("fwd", "dq", "dkdv")}
+        wait = {k: dict(WAIT_MMA=K._wait_mma(k), ASM_SCALES=K._asm_scales(k)) for k in ("fwd", "dq", "dkdv")}
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
-                                      TMA=K._use_tma("fwd", fp8, args.d, args.d), WAIT_MMA=wait["fwd"]), fw, fs),
+                                      TMA=K._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),
             "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
                                         ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
-                                        TMA=K._use_tma("dq", fp8, args.d, args.d), WAIT_MMA=wait["dq"]), dw, ds),
+                                        TMA=K._use_tma("dq", fp8, args.d, args.d), **wait["dq"]), dw, ds),
             "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q, BLOCK_N=args.block,
-                                            TMA=K._use_tma("dkdv", fp8, args.d, args.d), WAIT_MMA=wait["dkdv"]), kw, ks),
+                                            TMA=K._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
         }
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]

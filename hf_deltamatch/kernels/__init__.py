@@ -34,10 +34,11 @@ DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.D
 # "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM),
 # "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma),
 # "fwd_wait_mma" / "dq_wait_mma" / "dkdv_wait_mma": True / False to wait on accumulating MMAs inside the loop
-# iteration or not (see _wait_mma)}.
+# iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales)}.
 # Empty in normal use.
 TUNE: dict = {}
-TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv") for o in ("maxnreg", "tma", "wait_mma")}
+TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
+                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales")}
 
 
 def _check_tune():
@@ -86,6 +87,11 @@ WAIT_MMA = ("dq",)
 def _wait_mma(kernel: str) -> bool:
     """Whether `kernel` waits on its accumulating MMA inside each loop iteration (WAIT_MMA, TUNE)."""
     return bool(TUNE.get(f"{kernel}_wait_mma", kernel in WAIT_MMA))
+
+
+def _asm_scales(kernel: str) -> bool:
+    """Whether `kernel` reads its per-tile scales in the loop through inline PTX (forward._scale; INTERPRET: no)."""
+    return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", True))
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -203,8 +209,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
         BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
-        INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd"), num_warps=warps, num_stages=stages,
-        **_maxnreg("fwd"),
+        INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd"), ASM_SCALES=_asm_scales("fwd"),
+        num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
 
@@ -280,7 +286,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq"),
+            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq"), ASM_SCALES=_asm_scales("dq"),
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
@@ -298,7 +304,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
-            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma, WAIT_MMA=_wait_mma("dkdv"),
+            GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
+            WAIT_MMA=_wait_mma("dkdv"), ASM_SCALES=_asm_scales("dkdv"),
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._fp8 import cast_to, tile_scale, to_fp8
-from .forward import _key_ranges, _load_2d, _mma_done, _per_row, _seq_bounds, _tile, _visible
+from .forward import _key_ranges, _load_2d, _mma_done, _per_row, _scale, _seq_bounds, _tile, _visible
 
 
 @triton.jit
@@ -54,7 +54,8 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
               FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr):
+              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr,
+              ASM_SCALES: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     for start_n in range(lo, hi, BLOCK_N):
@@ -64,8 +65,8 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
         s_f = row_f
         dpf = dp_f
         if FP8:
-            s_f = row_f * tl.load(SK + start_n)
-            dpf = dp_f * tl.load(SV + start_n)
+            s_f = row_f * _scale(SK + start_n, ASM_SCALES)
+            dpf = dp_f * _scale(SV + start_n, ASM_SCALES)
         p, dp, k = _p_dp(q, do, lse2, s_f, dpf, K, V, skn, skd, svn, svd, kv_row + start_n, offs_m, offs_n, n, m,
                          window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP, ONE_TILE, TMA)
         if PASS1:
@@ -86,7 +87,7 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                 # multiply by 1/sds: Triton's fp32 `/` is div.full.f32, one MUFU op per element, and the MUFU
                 # unit is already busy with exp2 (the reciprocal is per tile; pow2 scales make it exact)
                 r = _per_row(1.0 / sds, ONE_TILE)
-                c = sds * tl.load(SK + start_n)  # dq is kept in units of the last tile's scale
+                c = sds * _scale(SK + start_n, ASM_SCALES)  # dq is kept in units of the last tile's scale
                 kt = _tile(KT, kt_row, k0 + start_n, offs_n, offs_dqk, ktn, ktd, m, DQK, MASK, BLOCK_DQK != DQK,
                            TMA, True)
                 dq = tl.dot(to_fp8(ds * r, E5M2, INTERP), kt, dq * _per_row(c_dq / c, ONE_TILE))
@@ -105,7 +106,7 @@ def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
               DQK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr,
               E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr, DS_Q: tl.constexpr,
-              ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr):
+              ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr):
     """One pass over a query block's visible key tiles: the window's masked edge [lo, mid_lo) (only with a
     window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
     if HAS_WINDOW:
@@ -113,17 +114,17 @@ def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
             kv_row, kt_row, k0, start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-            WAIT_MMA)
+            WAIT_MMA, ASM_SCALES)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
         kv_row, kt_row, k0, start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-        WAIT_MMA)
+        WAIT_MMA, ASM_SCALES)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
         kv_row, kt_row, k0, start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-        WAIT_MMA)
+        WAIT_MMA, ASM_SCALES)
     return dq, c_dq, delta, rs, ra
 
 
@@ -139,7 +140,7 @@ def _bwd_dq_kernel(
     STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     INTERP: tl.constexpr, DS_Q: tl.constexpr, ONE_TILE: tl.constexpr,  # ONE_TILE: BLOCK_M == DS_Q
     TMA: tl.constexpr,  # K, KT, V are tensor descriptors over 2-D views of k8, k8 token-major, v8
-    WAIT_MMA: tl.constexpr,
+    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -209,12 +210,12 @@ def _bwd_dq_kernel(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
             skn, skd, ktn, ktd, svn, svd, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA)
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES)
     dq, c_dq, delta, rs, ra = _dq_sweep(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
         skn, skd, ktn, ktd, svn, svd, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
         BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA)
+        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES)
     dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
@@ -293,7 +294,7 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
                 FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-                TMA: tl.constexpr, WAIT_MMA: tl.constexpr):
+                TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -302,8 +303,8 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
         st_f = col_f
         dpf = dp_f
         if FP8:
-            sq_t = tl.load(SQ + start_m)  # one quantization tile holds the whole 64-row query tile
-            sdo_t = tl.load(SDO + start_m)
+            sq_t = _scale(SQ + start_m, ASM_SCALES)  # one quantization tile holds the whole 64-row query tile
+            sdo_t = _scale(SDO + start_m, ASM_SCALES)
             st_f = col_f * sq_t
             dpf = dp_f * sdo_t
         pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, q_row + start_m, offs_m,
@@ -343,7 +344,7 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
     TMA: tl.constexpr,  # Q, QT, DO, DOT are tensor descriptors over 2-D views of q8, q8 / dO8 token-major, dO8
-    WAIT_MMA: tl.constexpr,
+    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
@@ -403,17 +404,17 @@ def _bwd_dkdv_kernel(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA)
+            TMA, WAIT_MMA, ASM_SCALES)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA)
+            TMA, WAIT_MMA, ASM_SCALES)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA)
+            TMA, WAIT_MMA, ASM_SCALES)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m

@@ -61,11 +61,23 @@ def _mma_done(acc, INTERP: tl.constexpr):
     inside the iteration instead of leaving it in flight across the loop's back edge. Left in flight, ptxas
     serializes every wgmma of the kernel (its info C7515/C7513, benchmarks/sm90_registers.py). Which costs
     more is measured per kernel (H200: the dQ kernel 5-10 % faster waiting, the forward 2-19 % slower,
-    benchmarks/NOTES.md), hence WAIT_MMA per kernel (kernels.WAIT_MMA)."""
+    benchmarks/NOTES.md), hence WAIT_MMA per kernel (kernels.WAIT_MMA, ASM_SCALES)."""
     if INTERP:
         return acc
     else:
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _scale(ptr, ASM: tl.constexpr):
+    """One fp32 scale (a key/query tile's) read inside a loop over tiles. ASM: through inline PTX, which Triton's
+    software pipeliner does not see; as a tl.load it becomes a cp.async into shared memory, and with that in the
+    loop ptxas serialized every wgmma of the kernel (C7515) whenever an MMA was left in flight."""
+    if ASM:
+        return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l", [ptr], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.load(ptr)
 
 
 @triton.jit
@@ -138,7 +150,7 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr,
-               WAIT_MMA: tl.constexpr):
+               WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -152,7 +164,7 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
         qk = tl.dot(q, tl.trans(k))
         f = row_f  # log2-domain score factor (scalar or per row); > 0, so max(qk) * f == max(qk * f) exactly
         if FP8:
-            f = row_f * tl.load(SK + start_n)  # sk: one scale per key tile
+            f = row_f * _scale(SK + start_n, ASM_SCALES)  # sk: one scale per key tile
         if MASK:
             qk = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * f)
@@ -168,7 +180,7 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
         if FP8:
             # acc is kept in units of the current tile's sv / 256 (c_acc) so the MMA accumulates straight
             # into it: no second 128 x D fp32 tile of registers for the product (that spilled).
-            c = tl.load(SV + start_n) / 256.0
+            c = _scale(SV + start_n, ASM_SCALES) / 256.0
             acc = tl.dot(to_fp8(p, False, INTERP), v, acc * (alpha * (c_acc / c))[:, None])
             c_acc = c
         elif INTERP:
@@ -190,7 +202,7 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     INTERP: tl.constexpr, TMA: tl.constexpr,  # TMA: Q, K, V are tensor descriptors (fp8, see forward())
-    WAIT_MMA: tl.constexpr,
+    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
 ):
     # heaviest (last, under causal) query blocks first: better tail balance
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -240,13 +252,13 @@ def _fwd_kernel(
     if HAS_WINDOW:
         acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N,
                                           BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                          WAIT_MMA)
+                                          WAIT_MMA, ASM_SCALES)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N,
                                       BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                      WAIT_MMA)
+                                      WAIT_MMA, ASM_SCALES)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N,
                                       BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                          WAIT_MMA)
+                                          WAIT_MMA, ASM_SCALES)
 
     if FP8:
         l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
