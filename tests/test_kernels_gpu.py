@@ -115,7 +115,7 @@ def test_tma_equals_pointer_paths():
     tma = dict(fwd_tma=True, dq_tma=True, dkdv_tma=True)
     # where the kernels wait on their MMAs and how they read scales changes no bit
     flipped = {o: v for k in ("fwd", "dq", "dkdv")
-               for o, v in ((f"{k}_wait_mma", not K._wait_mma(k)), (f"{k}_asm_scales", not K._asm_scales(k)))}
+               for o, v in ((f"{k}_wait_mma", not K._wait_mma(k, 128)), (f"{k}_asm_scales", not K._asm_scales(k, 128)))}
     runs = {}
     for name, tune in {"tma": tma, "pointers": dict(fwd_tma=False, dq_tma=False, dkdv_tma=False),
                        "tma, MMA waits and scale loads flipped": dict(tma, **flipped)}.items():

@@ -77,21 +77,27 @@ def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, starts_aligned: bool = T
     return fp8 and bool(want) and d <= 128 and starts_aligned
 
 
-# The kernels whose loops wait on their accumulating MMA (O, dQ, dK/dV) inside each iteration (forward._mma_done).
-# H200, N=8192, same run (benchmarks/NOTES.md): the dQ kernel 5-10 % faster waiting; the forward 2 % (D=128
-# causal) to 19 % (D=64) slower, its MMAs serialized by ptxas but overlapping across iterations; dK/dV (pointer
-# loads, not serialized either way) even at causal, 7 % slower waiting on the full mask.
-WAIT_MMA = ("dq",)
+# How the loops treat their MMAs and per-tile scales (H200, N=8192, each choice against the other in the same
+# run, benchmarks/NOTES.md). Left alone, Triton keeps each loop's accumulating MMA (into O, dQ, dK/dV) in flight
+# across the back edge and turns the in-loop scale loads into cp.async copies, and with both ptxas serializes
+# every wgmma of the kernel. Two ways out: wait on the MMA inside the iteration (forward._mma_done; the dQ kernel
+# 5-10 % faster than serialized, the forward slower), or read the scales through inline PTX (forward._scale),
+# which keeps the MMAs in flight unserialized: the forward kernel 2-3 % faster at D=128 (but 18 % slower at
+# D=64), the dQ kernel 4 % faster than waiting, dK/dV 10 % faster at D=128 causal.
+WAIT_MMA_HEAD_DIMS = {"fwd": (), "dq": (), "dkdv": ()}
+ASM_SCALES_HEAD_DIMS = {"fwd": (128,), "dq": (64, 128), "dkdv": (128,)}
 
 
-def _wait_mma(kernel: str) -> bool:
-    """Whether `kernel` waits on its accumulating MMA inside each loop iteration (WAIT_MMA, TUNE)."""
-    return bool(TUNE.get(f"{kernel}_wait_mma", kernel in WAIT_MMA))
+def _wait_mma(kernel: str, d: int) -> bool:
+    """Whether `kernel` ("fwd", "dq", "dkdv") waits on its accumulating MMA inside each loop iteration, at head
+    dim d = max(Dqk, Dv) (WAIT_MMA_HEAD_DIMS, or TUNE[f"{kernel}_wait_mma"])."""
+    return bool(TUNE.get(f"{kernel}_wait_mma", d in WAIT_MMA_HEAD_DIMS[kernel]))
 
 
-def _asm_scales(kernel: str) -> bool:
-    """Whether `kernel` reads its per-tile scales in the loop through inline PTX (forward._scale; INTERPRET: no)."""
-    return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", True))
+def _asm_scales(kernel: str, d: int) -> bool:
+    """Whether `kernel` reads its per-tile scales in the loop through inline PTX (ASM_SCALES_HEAD_DIMS, or
+    TUNE[f"{kernel}_asm_scales"]); never under the interpreter, which has no PTX."""
+    return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", d in ASM_SCALES_HEAD_DIMS[kernel]))
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -209,7 +215,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
         BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
-        INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd"), ASM_SCALES=_asm_scales("fwd"),
+        INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd", max(dqk, dv)),
+        ASM_SCALES=_asm_scales("fwd", max(dqk, dv)),
         num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
@@ -286,7 +293,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq"), ASM_SCALES=_asm_scales("dq"),
+            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", max(dqk, dv)),
+            ASM_SCALES=_asm_scales("dq", max(dqk, dv)),
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
@@ -305,7 +313,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
-            WAIT_MMA=_wait_mma("dkdv"), ASM_SCALES=_asm_scales("dkdv"),
+            WAIT_MMA=_wait_mma("dkdv", max(dqk, dv)), ASM_SCALES=_asm_scales("dkdv", max(dqk, dv)),
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()

@@ -58,10 +58,9 @@ def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexp
 @triton.jit
 def _mma_done(acc, INTERP: tl.constexpr):
     """acc, once the MMA that produced it has completed: an opaque register move makes Triton wait on the MMA
-    inside the iteration instead of leaving it in flight across the loop's back edge. Left in flight, ptxas
-    serializes every wgmma of the kernel (its info C7515/C7513, benchmarks/sm90_registers.py). Which costs
-    more is measured per kernel (H200: the dQ kernel 5-10 % faster waiting, the forward 2-19 % slower,
-    benchmarks/NOTES.md), hence WAIT_MMA per kernel (kernels.WAIT_MMA, ASM_SCALES)."""
+    inside the iteration instead of leaving it in flight across the loop's back edge (which, with cp.async
+    copies in the loop, makes ptxas serialize every wgmma: its info C7515/C7513, benchmarks/sm90_registers.py).
+    Where the kernels use it: kernels.WAIT_MMA_HEAD_DIMS."""
     if INTERP:
         return acc
     else:
@@ -70,9 +69,10 @@ def _mma_done(acc, INTERP: tl.constexpr):
 
 @triton.jit
 def _scale(ptr, ASM: tl.constexpr):
-    """One fp32 scale (a key/query tile's) read inside a loop over tiles. ASM: through inline PTX, which Triton's
-    software pipeliner does not see; as a tl.load it becomes a cp.async into shared memory, and with that in the
-    loop ptxas serialized every wgmma of the kernel (C7515) whenever an MMA was left in flight."""
+    """One fp32 scale (a key or query tile's) read inside a loop over tiles. ASM: through inline PTX, which
+    Triton's software pipeliner does not see; as a tl.load it becomes a cp.async copy into shared memory, and
+    with that in the loop ptxas serializes every wgmma whenever an MMA is left in flight across iterations.
+    Where the kernels use it: kernels.ASM_SCALES_HEAD_DIMS."""
     if ASM:
         return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l", [ptr], dtype=tl.float32,
                                          is_pure=True, pack=1)
