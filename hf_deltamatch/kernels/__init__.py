@@ -82,10 +82,11 @@ def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, starts_aligned: bool = T
 # across the back edge and turns the in-loop scale loads into cp.async copies, and with both ptxas serializes
 # every wgmma of the kernel. Two ways out: wait on the MMA inside the iteration (forward._mma_done; the dQ kernel
 # 5-10 % faster than serialized, the forward slower), or read the scales through inline PTX (forward._scale),
-# which keeps the MMAs in flight unserialized: the forward kernel 2-3 % faster at D=128 (but 18 % slower at
-# D=64), the dQ kernel 4 % faster than waiting, dK/dV 10 % faster at D=128 causal.
+# which keeps the MMAs in flight unserialized: the forward kernel 2-3 % faster at D=128 (18 % slower at D=64),
+# the dQ kernel 4 % faster than waiting, dK/dV 10 % faster at D=128 causal but 4 % slower on the full mask.
 WAIT_MMA_HEAD_DIMS = {"fwd": (), "dq": (), "dkdv": ()}
 ASM_SCALES_HEAD_DIMS = {"fwd": (128,), "dq": (64, 128), "dkdv": (128,)}
+ASM_SCALES_CAUSAL_ONLY = ("dkdv",)
 
 
 def _wait_mma(kernel: str, d: int) -> bool:
@@ -94,10 +95,11 @@ def _wait_mma(kernel: str, d: int) -> bool:
     return bool(TUNE.get(f"{kernel}_wait_mma", d in WAIT_MMA_HEAD_DIMS[kernel]))
 
 
-def _asm_scales(kernel: str, d: int) -> bool:
-    """Whether `kernel` reads its per-tile scales in the loop through inline PTX (ASM_SCALES_HEAD_DIMS, or
-    TUNE[f"{kernel}_asm_scales"]); never under the interpreter, which has no PTX."""
-    return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", d in ASM_SCALES_HEAD_DIMS[kernel]))
+def _asm_scales(kernel: str, d: int, causal: bool = True) -> bool:
+    """Whether `kernel` reads its per-tile scales in the loop through inline PTX (ASM_SCALES_HEAD_DIMS and
+    ASM_SCALES_CAUSAL_ONLY, or TUNE[f"{kernel}_asm_scales"]); never under the interpreter, which has no PTX."""
+    want = d in ASM_SCALES_HEAD_DIMS[kernel] and (causal or kernel not in ASM_SCALES_CAUSAL_ONLY)
+    return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", want))
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -313,7 +315,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
-            WAIT_MMA=_wait_mma("dkdv", max(dqk, dv)), ASM_SCALES=_asm_scales("dkdv", max(dqk, dv)),
+            WAIT_MMA=_wait_mma("dkdv", max(dqk, dv)), ASM_SCALES=_asm_scales("dkdv", max(dqk, dv), bool(causal)),
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()
