@@ -90,8 +90,8 @@ ASM_SCALES_CAUSAL_ONLY = ("dkdv",)
 
 
 def _wait_mma(kernel: str, d: int) -> bool:
-    """Whether `kernel` ("fwd", "dq", "dkdv") waits on its accumulating MMA inside each loop iteration, at head
-    dim d = max(Dqk, Dv) (WAIT_MMA_HEAD_DIMS, or TUNE[f"{kernel}_wait_mma"])."""
+    """Whether `kernel` ("fwd", "dq", "dkdv") waits on its accumulating MMA inside each loop iteration (dK/dV: on
+    the iteration's last one, dK's), at head dim d = max(Dqk, Dv) (WAIT_MMA_HEAD_DIMS, or TUNE)."""
     return bool(TUNE.get(f"{kernel}_wait_mma", d in WAIT_MMA_HEAD_DIMS[kernel]))
 
 

@@ -327,8 +327,7 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
         else:
             dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
             dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
-        if WAIT_MMA:
-            dv = _mma_done(dv, INTERP)
+        if WAIT_MMA:  # waiting on dK's MMA retires dV's too, which then overlaps the dS quantization
             dk = _mma_done(dk, INTERP)
     return dk, dv, c_dk, c_dv
 
