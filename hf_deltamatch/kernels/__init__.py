@@ -8,7 +8,8 @@ Saved tensors: q8/k8/v8 are plain contiguous (B, H, N, D) float8_e4m3fn tensors 
 as torch.empty), scales contiguous (B, H, N) fp32. The token-major copies the FP8 matmuls want (v for the
 forward's P @ V; q, k, dO for the backward) are made on the fly and never saved, with token rows padded to
 16 bytes so that TMA tensor descriptors can cover them: the forward and (at D=128) the dQ kernel load their
-FP8 tiles through descriptors, the rest through masked pointer loads (_use_tma says where and why).
+FP8 tiles through descriptors, the rest through masked pointer loads. Launch choices (block sizes, TMA, MMA
+waits, scale reads) and the TUNE overrides for tuning runs live in launch.py.
 """
 
 from __future__ import annotations
@@ -22,100 +23,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._fp8 import FP8_MAX, INTERPRET
 from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _fwd_kernel
+from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
+    TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _use_tma, _wait_mma,
+)
 from .quantize import quantize, token_major
 
 __all__ = ["backward", "forward", "supports"]
 
 DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.DS_TILE_Q)
-
-
-# Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py, benchmarks/sm90_registers.py):
-# {"fwd": (BLOCK_M, warps, stages), "dq": (BLOCK_M, warps, stages), "dkdv": (warps, stages), and per kernel
-# "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM),
-# "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma),
-# "fwd_wait_mma" / "dq_wait_mma" / "dkdv_wait_mma": True / False to wait on accumulating MMAs inside the loop
-# iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales)}.
-# Empty in normal use.
-TUNE: dict = {}
-TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
-                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales")}
-
-
-def _check_tune():
-    """A misspelt TUNE key would silently time the defaults: refuse it."""
-    unknown = set(TUNE) - TUNE_KEYS
-    if unknown:
-        raise KeyError(f"unknown kernels.TUNE keys {sorted(unknown)}; known: {sorted(TUNE_KEYS)}")
-
-
-def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
-    """(BLOCK_M, num_warps, num_stages) of the forward, by head dim (H200 measurements, benchmarks/NOTES.md)."""
-    if "fwd" in TUNE:
-        return TUNE["fwd"]
-    d = max(dqk, dv)
-    if d <= 128:  # H200, N=8192 causal: (64, 4, 3) 1.02 ms vs (128, 8, 3) 1.08, (128, 4, 3) 3.5 (spills)
-        return 64, 4, 3
-    return 64, 8, 2  # D=256: 2 warpgroups split the head dim, no spills (4 warps spilled ~800 B)
-
-
-# The head dims (max of Dqk, Dv) at which each kernel reads its FP8 tiles through TMA tensor descriptors by
-# default (H200, N=8192, same run, benchmarks/NOTES.md): the forward kernel 6-11 % faster at D 64/128, the
-# dQ kernel 9-10 % faster at D=128 but 2 % slower at D=64, the dK/dV kernel 5-20 % slower (opt-in only).
-TMA_HEAD_DIMS = {"fwd": (64, 128), "dq": (128,), "dkdv": ()}
-
-
-def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, starts_aligned: bool = True) -> bool:
-    """Whether `kernel` ("fwd", "dq" or "dkdv") reads its FP8 tiles through TMA tensor descriptors. fp8 only
-    (q8, k8, v8, dO8 and their token-major copies are contiguous buffers of ours, so 2-D descriptors over
-    them are valid; bf16 inputs may have any strides); by default at the head dims of TMA_HEAD_DIMS, or at
-    any head dim <= 128 (True) / never (False) with TUNE[f"{kernel}_tma"]. Token-major tiles start at a
-    sequence's first token in the innermost dimension: the H200 faulted (illegal instruction) on a varlen
-    batch whose starts were not multiples of 16 tokens, and the interpreter rejects them too, so such
-    batches (starts_aligned=False, from _seq_info) take the pointer path."""
-    d = max(dqk, dv)
-    want = TUNE.get(f"{kernel}_tma", d in TMA_HEAD_DIMS[kernel])
-    return fp8 and bool(want) and d <= 128 and starts_aligned
-
-
-# How the loops treat their MMAs and per-tile scales (H200, N=8192, each choice against the other in the same
-# run, benchmarks/NOTES.md). Left alone, Triton keeps each loop's accumulating MMA (into O, dQ, dK/dV) in flight
-# across the back edge and turns the in-loop scale loads into cp.async copies, and with both ptxas serializes
-# every wgmma of the kernel. Two ways out: wait on the MMA inside the iteration (forward._mma_done; the dQ kernel
-# 5-10 % faster than serialized, the forward slower), or read the scales through inline PTX (forward._scale),
-# which keeps the MMAs in flight unserialized: the forward kernel 2-3 % faster at D=128 (18 % slower at D=64),
-# the dQ kernel 4 % faster than waiting, dK/dV 10 % faster at D=128 causal but 4 % slower on the full mask.
-WAIT_MMA_HEAD_DIMS = {"fwd": (), "dq": (), "dkdv": ()}
-ASM_SCALES_HEAD_DIMS = {"fwd": (128,), "dq": (64, 128), "dkdv": (128,)}
-ASM_SCALES_CAUSAL_ONLY = ("dkdv",)
-
-
-def _wait_mma(kernel: str, d: int) -> bool:
-    """Whether `kernel` ("fwd", "dq", "dkdv") waits on its accumulating MMA inside each loop iteration (dK/dV: on
-    the iteration's last one, dK's), at head dim d = max(Dqk, Dv) (WAIT_MMA_HEAD_DIMS, or TUNE)."""
-    return bool(TUNE.get(f"{kernel}_wait_mma", d in WAIT_MMA_HEAD_DIMS[kernel]))
-
-
-def _asm_scales(kernel: str, d: int, causal: bool = True) -> bool:
-    """Whether `kernel` reads its per-tile scales in the loop through inline PTX (ASM_SCALES_HEAD_DIMS and
-    ASM_SCALES_CAUSAL_ONLY, or TUNE[f"{kernel}_asm_scales"]); never under the interpreter, which has no PTX."""
-    want = d in ASM_SCALES_HEAD_DIMS[kernel] and (causal or kernel not in ASM_SCALES_CAUSAL_ONLY)
-    return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", want))
-
-
-def _maxnreg(kernel: str) -> dict:
-    """Launch kwargs capping registers per thread for `kernel` ("fwd", "dq", "dkdv"), if tuning asks for it."""
-    cap = TUNE.get(f"{kernel}_maxnreg")
-    return {"maxnreg": cap} if cap else {}
-
-
-def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
-    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages)."""
-    d = max(dqk, dv)
-    if d <= 128:  # H200 N=8192 causal D=128: dq (64, 4, 2) 2.30 ms, (128, 8, 2) 2.48, (64, 8, 2) 4.19
-        base = (64, 4, 2, 8, 3)
-    else:
-        base = (64, 8, 1, 16, 1)
-    return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]))
 
 
 def supports(q, k, v, window, config) -> str | None:

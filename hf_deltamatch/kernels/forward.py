@@ -60,7 +60,7 @@ def _mma_done(acc, INTERP: tl.constexpr):
     """acc, once the MMA that produced it has completed: an opaque register move makes Triton wait on the MMA
     inside the iteration instead of leaving it in flight across the loop's back edge (which, with cp.async
     copies in the loop, makes ptxas serialize every wgmma: its info C7515/C7513, benchmarks/sm90_registers.py).
-    Where the kernels use it: kernels.WAIT_MMA_HEAD_DIMS."""
+    Where the kernels use it: WAIT_MMA_HEAD_DIMS in launch.py."""
     if INTERP:
         return acc
     else:
@@ -72,7 +72,7 @@ def _scale(ptr, ASM: tl.constexpr):
     """One fp32 scale (a key or query tile's) read inside a loop over tiles. ASM: through inline PTX, which
     Triton's software pipeliner does not see; as a tl.load it becomes a cp.async copy into shared memory, and
     with that in the loop ptxas serializes every wgmma whenever an MMA is left in flight across iterations.
-    Where the kernels use it: kernels.ASM_SCALES_HEAD_DIMS."""
+    Where the kernels use it: ASM_SCALES_HEAD_DIMS in launch.py."""
     if ASM:
         return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l", [ptr], dtype=tl.float32,
                                          is_pure=True, pack=1)
