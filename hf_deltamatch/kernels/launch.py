@@ -60,6 +60,7 @@ def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, starts_aligned: bool = T
 # 5-10 % faster than serialized, the forward slower), or read the scales through inline PTX (forward._scale),
 # which keeps the MMAs in flight unserialized: the forward kernel 2-3 % faster at D=128 (18 % slower at D=64),
 # the dQ kernel 4 % faster than waiting, dK/dV 10 % faster at D=128 causal but 4 % slower on the full mask.
+# All chosen against Triton 3.6's code generation (the GPU image's); Triton 3.9 does not serialize these loops.
 WAIT_MMA_HEAD_DIMS = {"fwd": (), "dq": (), "dkdv": ()}
 ASM_SCALES_HEAD_DIMS = {"fwd": (128,), "dq": (64, 128), "dkdv": (128,)}
 ASM_SCALES_CAUSAL_ONLY = ("dkdv",)
