@@ -117,6 +117,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             lse.fill_(float("-inf"))
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
+    d = max(dqk, dv)
     tma = _use_tma("fwd", fp8, dqk, dv, aligned)
     BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
@@ -132,8 +133,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
         BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
-        INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd", max(dqk, dv)),
-        ASM_SCALES=_asm_scales("fwd", max(dqk, dv)),
+        INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd", d), ASM_SCALES=_asm_scales("fwd", d),
         num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
@@ -184,7 +184,9 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         doa = do
         sq = sk = sv = sdo = delta  # unused
     dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8)
-    common = dict(DQK=dqk, BLOCK_DQK=triton.next_power_of_2(dqk), BLOCK_DV=triton.next_power_of_2(dv),
+    d = max(dqk, dv)
+    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
+    common = dict(DQK=dqk, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
                   CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
@@ -193,7 +195,6 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     aligned = aligned and fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
     dq_tma = _use_tma("dq", fp8, dqk, dv, aligned)
     kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned)
-    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if N > 0 and max_n > 0:
         ka, kta, va = ks, ks, vs
         if fp8:
@@ -210,8 +211,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *o_arg.stride(), *dq.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", max(dqk, dv)),
-            ASM_SCALES=_asm_scales("dq", max(dqk, dv)),
+            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", d),
+            ASM_SCALES=_asm_scales("dq", d),
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
@@ -230,7 +231,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
-            WAIT_MMA=_wait_mma("dkdv", max(dqk, dv)), ASM_SCALES=_asm_scales("dkdv", max(dqk, dv), bool(causal)),
+            WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)),
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()
