@@ -2,7 +2,7 @@
 """Per-kernel time of hf_deltamatch.kernels (quantize, forward, correction pass, dQ, dK/dV) on the GPU,
 with SDPA cuDNN BF16 timed in the same run as the base, and launch-config variants.
 
-  python benchmarks/kernel_breakdown.py --out DIR [--variants]
+  python benchmarks/kernel_breakdown.py --out DIR [--shapes ...] [--variants ...] [--tag TAG]
 
 Per-kernel device times come from torch.profiler (sum of each kernel's CUDA time per call); totals from
 triton.testing.do_bench (median, L2 flushed). The correction pass is the dQ kernel's time with
@@ -111,6 +111,7 @@ def main():
     p.add_argument("--variants", default="", help="semicolon-separated kernels.TUNE dicts to try on --variant-shapes; "
                    "'SHAPE=DICT' tries DICT on SHAPE only")
     p.add_argument("--variant-shapes", default="d128-causal")
+    p.add_argument("--tag", default="", help="appended to the result files' names (e.g. the Triton version)")
     args = p.parse_args()
     rows, lines = [], _Lines()
     for name in args.shapes.split(","):
@@ -155,7 +156,7 @@ def main():
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version())
     os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.utcnow().strftime("%Y%m%d-%H%M")
+    stamp = datetime.datetime.utcnow().strftime("%Y%m%d-%H%M") + (f"-{args.tag}" if args.tag else "")
     with open(os.path.join(args.out, f"kernel-breakdown-{stamp}.json"), "w") as fh:
         json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     text = "\n".join([f"# kernel breakdown {meta}", "ms (TFLOP/s)", *lines])
