@@ -88,8 +88,11 @@ def _maxnreg(kernel: str) -> dict:
 def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages)."""
     d = max(dqk, dv)
-    if d <= 128:  # H200 N=8192 causal D=128 (run 1917): dq (64, 4, 2) 1.778 ms vs (128, 8, 2) 2.122, (64, 4, 3)
-        # 2.235; dK/dV (8, 3) 2.163 vs (8, 2) 2.314, (8, 4) 2.170
+    if d <= 64:  # H200 N=8192 causal D=64 (run 1956): dq (64, 4, 3) 2.558 ms vs (64, 4, 2) 2.896; dK/dV (8, 3)
+        # 3.239 vs (8, 2) 3.781
+        base = (64, 4, 3, 8, 3)
+    elif d <= 128:  # D=128 (run 1917): dq (64, 4, 2) 1.778 ms vs (128, 8, 2) 2.122, (64, 4, 3) 2.235; dK/dV (8, 3)
+        # 2.163 vs (8, 2) 2.314, (8, 4) 2.170
         base = (64, 4, 2, 8, 3)
     else:
         base = (64, 8, 1, 16, 1)
