@@ -13,10 +13,6 @@ from hf_deltamatch import reference as R
 from hf_deltamatch.config import DeltaMatchConfig
 
 K = pytest.importorskip("hf_deltamatch.kernels")
-import triton  # noqa: E402  (after the skip: the kernels need triton)
-import triton.language as tl  # noqa: E402
-
-from hf_deltamatch.kernels._exp2 import exp2_tile  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # On a GPU the FP8 MMA accumulates with reduced precision (tests/test_kernels_gpu.py); the interpreter is exact.
 TOL = 1e-3 if DEV == "cpu" else 1e-2
@@ -214,62 +210,6 @@ def test_tma_and_pointer_paths_agree():
         K.TUNE.clear()
     for a, b in zip(*tma):
         assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("poly", [2, 4, 8])
-def test_poly_exp2_kernels(poly):
-    """1/poly of the unmasked tiles' exponentials on the FMA pipe (kernels/_exp2.py) in all three kernels: the
-    same contract against the reference, and the invariant still at fp32 rounding (both dQ-kernel passes
-    split a tile the same way)."""
-    K.TUNE.update(fwd_poly_exp2=poly, dq_poly_exp2=poly, dkdv_poly_exp2=poly)
-    try:
-        resid = _run(N=256, causal=True, seed=3)  # key tiles below the diagonal are unmasked
-        _run(N=200, M=230, causal=False, Hq=4, Hkv=2, block=64, row_sums=False)  # tails: masked tiles only there
-    finally:
-        K.TUNE.clear()
-    assert resid <= 1e-5
-    K.TUNE.update(fwd_poly_exp2=3)
-    try:
-        with pytest.raises(ValueError, match="fwd_poly_exp2=3"):
-            _run(N=16)
-    finally:
-        K.TUNE.clear()
-
-
-@triton.jit
-def _exp2_tile_kernel(X, Y, R: tl.constexpr, C: tl.constexpr, POLY: tl.constexpr):
-    offs = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
-    tl.store(Y + offs, exp2_tile(tl.load(X + offs), R, C, POLY))
-
-
-def test_exp2_tile_accuracy():
-    """exp2_tile against float64 2^x: the polynomial share as accurate as an fp32 exp2 (<= 2.5e-7 relative,
-    unbiased to a fraction of an ulp), exactly the documented share of elements computed by it (the others
-    bit-identical to tl.exp2's), in tiles of both kernels' shapes; arguments below -125 give a tiny normal
-    number (the polynomial's clamp), never garbage."""
-    g = torch.Generator().manual_seed(0)
-    for R, C in ((64, 128), (128, 64)):
-        x = (torch.rand(R, C, generator=g) * 40.5 - 40).to(DEV)
-        x[8, 9], x[8, 11] = -1000.0, -126.0  # elements every split hands to the polynomial
-        x[0, 0], x[0, 1] = 0.0, 8.0
-        ref = torch.exp2(x.double())
-        ok = torch.ones_like(x, dtype=torch.bool)
-        ok[8, 9] = ok[8, 11] = False
-        r, c = torch.meshgrid(torch.arange(R), torch.arange(C), indexing="ij")
-        base = torch.empty_like(x)
-        _exp2_tile_kernel[(1,)](x, base, R, C, 0)
-        for poly in (2, 4, 8):
-            y = torch.empty_like(x)
-            _exp2_tile_kernel[(1,)](x, y, R, C, poly)
-            rel = ((y.double() - ref) / ref)[ok]
-            assert rel.abs().max().item() <= 2.5e-7, (R, C, poly)
-            assert abs(rel.mean().item()) <= 3e-8
-            share = (c % 2 == 1) & ((r % 16 >= 8) | (poly == 2)) & ((c // 8 % 2 == 1) | (poly != 8))
-            assert share.float().mean().item() == 1 / poly
-            assert torch.equal(y[~share.to(DEV)], base[~share.to(DEV)])
-            assert (y[share.to(DEV)] != base[share.to(DEV)]).any()
-            assert 0 < y[8, 9].item() <= 2.4e-38 and 0 < y[8, 11].item() <= 2.4e-38
-            assert y[0, 0].item() == 1.0 and y[0, 1].item() == 256.0
 
 
 def _fwd_bwd_tma_vs_pointers():

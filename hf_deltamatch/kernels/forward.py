@@ -15,14 +15,12 @@ needs a K-major B operand (row-major V made Triton transpose through registers, 
 TMA=True (fp8, kernels._use_tma): q8, k8, v8 come through tensor descriptors over 2-D views instead of
 masked pointer loads (6-11 % faster on the H200; no masks on loads, the score masks do that work).
 WAIT_MMA / ASM_SCALES (all three kernels): whether a loop waits on its accumulating MMA inside the iteration
-(_mma_done) and reads its per-tile scales through inline PTX (_scale); POLY_EXP2: the share of the unmasked
-tiles' exponentials computed on the FMA pipe (_exp2.py); launch.py chooses, per kernel and head dim.
+(_mma_done) and reads its per-tile scales through inline PTX (_scale); launch.py chooses, per kernel and head dim.
 """
 
 import triton
 import triton.language as tl
 
-from ._exp2 import exp2_tile
 from ._fp8 import cast_to, to_fp8
 
 LOG2E = 1.4426950408889634
@@ -154,7 +152,7 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr,
-               WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, POLY_EXP2: tl.constexpr):
+               WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -178,8 +176,7 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
         bias = m_safe
         if FP8:
             bias = m_safe - 8.0
-        # masked tiles hold -inf scores, which exp2_poly does not take (the callers pass POLY_EXP2=0 there)
-        p = exp2_tile(qk * _per_row(f, BLOCK_M <= BLOCK_N) - bias[:, None], BLOCK_M, BLOCK_N, POLY_EXP2)
+        p = tl.exp2(qk * _per_row(f, BLOCK_M <= BLOCK_N) - bias[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8:
@@ -207,7 +204,7 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     INTERP: tl.constexpr, TMA: tl.constexpr,  # TMA: Q, K, V are tensor descriptors (fp8, see forward())
-    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, POLY_EXP2: tl.constexpr,
+    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
 ):
     # heaviest (last, under causal) query blocks first: better tail balance
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -257,13 +254,13 @@ def _fwd_kernel(
     if HAS_WINDOW:
         acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N,
                                           BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                          WAIT_MMA, ASM_SCALES, 0)
+                                          WAIT_MMA, ASM_SCALES)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N,
                                       BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                      WAIT_MMA, ASM_SCALES, POLY_EXP2)
+                                      WAIT_MMA, ASM_SCALES)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N,
                                       BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                      WAIT_MMA, ASM_SCALES, 0)
+                                          WAIT_MMA, ASM_SCALES)
 
     if FP8:
         l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)

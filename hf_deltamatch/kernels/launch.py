@@ -10,12 +10,11 @@ from ._fp8 import INTERPRET
 # "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM),
 # "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma),
 # "fwd_wait_mma" / "dq_wait_mma" / "dkdv_wait_mma": True / False to wait on accumulating MMAs inside the loop
-# iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales),
-# "<kernel>_poly_exp2": 0, 2, 4 or 8 (see _poly_exp2)}.
+# iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
-                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "poly_exp2")}
+                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales")}
 
 
 def _check_tune():
@@ -78,19 +77,6 @@ def _asm_scales(kernel: str, d: int, causal: bool = True) -> bool:
     ASM_SCALES_CAUSAL_ONLY, or TUNE[f"{kernel}_asm_scales"]); never under the interpreter, which has no PTX."""
     want = d in ASM_SCALES_HEAD_DIMS[kernel] and (causal or kernel not in ASM_SCALES_CAUSAL_ONLY)
     return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", want))
-
-
-# 1/POLY_EXP2 of each unmasked score tile's exponentials computed by a polynomial on the FMA pipe instead of the
-# MUFU unit (_exp2.py), per kernel and head dim; 0: none.
-POLY_EXP2 = {"fwd": {}, "dq": {}, "dkdv": {}}
-
-
-def _poly_exp2(kernel: str, d: int) -> int:
-    """The POLY constexpr of _exp2.exp2_tile for `kernel` at head dim d (POLY_EXP2, or TUNE)."""
-    poly = int(TUNE.get(f"{kernel}_poly_exp2", POLY_EXP2[kernel].get(d, 0)))
-    if poly not in (0, 2, 4, 8):
-        raise ValueError(f"{kernel}_poly_exp2={poly}: use 0 (none), 2, 4 or 8 (1/2, 1/4, 1/8 of the tile)")
-    return poly
 
 
 def _maxnreg(kernel: str) -> dict:
