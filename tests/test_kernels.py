@@ -212,36 +212,6 @@ def test_tma_and_pointer_paths_agree():
         assert torch.equal(a, b)
 
 
-def test_forward_prefetch_same_bits():
-    """The forward issuing the next key tile's QK^T a tile ahead (TMA only, TUNE fwd_prefetch) computes the
-    same products in the same order: bit-identical output and LSE, on dense, GQA and varlen batches whose
-    unmasked ranges are empty, one tile or several."""
-    g = torch.Generator().manual_seed(4)
-    cases = [dict(N=300, causal=True), dict(N=130, causal=False, Hq=4, Hkv=2),
-             dict(N=300, causal=True, cu=[0, 96, 160, 288], window=70), dict(N=40, causal=True)]
-    for case in cases:
-        Hq, Hkv = case.get("Hq", 2), case.get("Hkv", 1)
-        q = torch.randn(1, Hq, case["N"], 64, generator=g).to(torch.bfloat16).to(DEV)
-        k, v = (torch.randn(1, Hkv, case["N"], 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(2))
-        cu = torch.tensor(case["cu"], dtype=torch.int32, device=DEV) if "cu" in case else None
-        kw = dict(causal=case["causal"], softmax_scale=0.125, window=case.get("window"), cu_seqlens_q=cu,
-                  cu_seqlens_k=cu, config=DeltaMatchConfig(block=64))
-        outs = []
-        for prefetch in (False, True):
-            K.TUNE.update(fwd_tma=True, fwd_prefetch=prefetch)
-            try:
-                outs.append(K.forward(q, k, v, **kw)[:2])
-            finally:
-                K.TUNE.clear()
-        for a, b in zip(*outs):
-            assert torch.equal(a, b), case
-    K.TUNE.update(fwd_tma=True, fwd_prefetch=True)
-    try:
-        _run(N=200, M=230, block=64, row_sums=False)  # and against the reference
-    finally:
-        K.TUNE.clear()
-
-
 def _fwd_bwd_tma_vs_pointers():
     """(forward out, lse, dq, dk, dv) with the TUNE in force, and the same with pointer loads everywhere."""
     g = torch.Generator().manual_seed(3)

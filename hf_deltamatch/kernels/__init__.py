@@ -24,8 +24,7 @@ from ._fp8 import FP8_MAX, INTERPRET
 from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
-    TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _prefetch, _use_tma,
-    _wait_mma,
+    TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
 
@@ -135,7 +134,6 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
         INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd", d), ASM_SCALES=_asm_scales("fwd", d),
-        PREFETCH=_prefetch(d),
         num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv

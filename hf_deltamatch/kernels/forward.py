@@ -15,8 +15,7 @@ needs a K-major B operand (row-major V made Triton transpose through registers, 
 TMA=True (fp8, kernels._use_tma): q8, k8, v8 come through tensor descriptors over 2-D views instead of
 masked pointer loads (6-11 % faster on the H200; no masks on loads, the score masks do that work).
 WAIT_MMA / ASM_SCALES (all three kernels): whether a loop waits on its accumulating MMA inside the iteration
-(_mma_done) and reads its per-tile scales through inline PTX (_scale); PREFETCH (forward, TMA): whether the
-unmasked loop issues the next tile's QK^T before this tile's softmax; launch.py chooses, per kernel and head dim.
+(_mma_done) and reads its per-tile scales through inline PTX (_scale); launch.py chooses, per kernel and head dim.
 """
 
 import triton
@@ -153,29 +152,18 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr,
-               WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, PREFETCH: tl.constexpr):
+               WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    if PREFETCH:  # TMA only (descriptor reads past the keys are safe): the first tile's scores
-        k = K.load([k_row + tl.minimum(lo, tl.maximum(hi - BLOCK_N, 0)), 0])
-        qk_next = tl.dot(q, tl.trans(k))
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if PREFETCH:
-            # the next tile's QK^T is issued before this tile's softmax and stays in flight under it (the last
-            # iteration recomputes its own tile rather than branch); costs a second score tile of registers
-            qk = qk_next
-            k = K.load([k_row + tl.minimum(start_n + BLOCK_N, hi - BLOCK_N), 0])
-            qk_next = tl.dot(q, tl.trans(k))
-        else:
-            k = _tile(K, k_row + start_n, 0, offs_n, offs_dqk, skn, skd, m, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
+        k = _tile(K, k_row + start_n, 0, offs_n, offs_dqk, skn, skd, m, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
         v = _tile(V, v_row, k0 + start_n, offs_n, offs_dv, svn, svd, m, DV, MASK, BLOCK_DV != DV, TMA, True)
-        if not PREFETCH:
-            if INTERP and not FP8:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k))
+        if INTERP and not FP8:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k))
         f = row_f  # log2-domain score factor (scalar or per row); > 0, so max(qk) * f == max(qk * f) exactly
         if FP8:
             f = row_f * _scale(SK + start_n, ASM_SCALES)  # sk: one scale per key tile
@@ -217,7 +205,6 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     INTERP: tl.constexpr, TMA: tl.constexpr,  # TMA: Q, K, V are tensor descriptors (fp8, see forward())
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
-    PREFETCH: tl.constexpr,  # with TMA: the unmasked loop issues the next tile's QK^T before the softmax
 ):
     # heaviest (last, under causal) query blocks first: better tail balance
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -267,13 +254,13 @@ def _fwd_kernel(
     if HAS_WINDOW:
         acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N,
                                           BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                          WAIT_MMA, ASM_SCALES, False)
+                                          WAIT_MMA, ASM_SCALES)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N,
                                       BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                      WAIT_MMA, ASM_SCALES, PREFETCH and TMA)
+                                      WAIT_MMA, ASM_SCALES)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N,
                                       BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                      WAIT_MMA, ASM_SCALES, False)
+                                          WAIT_MMA, ASM_SCALES)
 
     if FP8:
         l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)

@@ -10,12 +10,11 @@ from ._fp8 import INTERPRET
 # "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM),
 # "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma),
 # "fwd_wait_mma" / "dq_wait_mma" / "dkdv_wait_mma": True / False to wait on accumulating MMAs inside the loop
-# iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales),
-# "fwd_prefetch": True / False for the forward's QK^T issued a tile ahead (_prefetch)}.
+# iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
-                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales")} | {"fwd_prefetch"}
+                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales")}
 
 
 def _check_tune():
@@ -78,17 +77,6 @@ def _asm_scales(kernel: str, d: int, causal: bool = True) -> bool:
     ASM_SCALES_CAUSAL_ONLY, or TUNE[f"{kernel}_asm_scales"]); never under the interpreter, which has no PTX."""
     want = d in ASM_SCALES_HEAD_DIMS[kernel] and (causal or kernel not in ASM_SCALES_CAUSAL_ONLY)
     return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", want))
-
-
-# Head dims at which the forward's unmasked loop (TMA only) issues the next key tile's QK^T before this tile's
-# softmax, so that MMA runs under the exponentials (one more 64 x 128 fp32 score tile of registers: 247 per
-# thread at D=128 with Triton 3.6, no spills; the register rotation costs 64 moves per tile).
-PREFETCH_HEAD_DIMS = ()
-
-
-def _prefetch(d: int) -> bool:
-    """Whether the forward prefetches QK^T at head dim d = max(Dqk, Dv) (PREFETCH_HEAD_DIMS, or TUNE)."""
-    return bool(TUNE.get("fwd_prefetch", d in PREFETCH_HEAD_DIMS))
 
 
 def _maxnreg(kernel: str) -> dict:
