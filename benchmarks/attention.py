@@ -552,9 +552,10 @@ def environment(device) -> dict:
             env["nvidia_smi"] = smi.splitlines()[0]
     else:
         env["gpu"] = "cpu"
-    commit = _run(["git", "rev-parse", "HEAD"]) or os.environ.get("GIT_COMMIT")
+    # GIT_COMMIT first: a copied working tree (the device tool's) can carry a stale .git
+    commit = os.environ.get("GIT_COMMIT") or _run(["git", "rev-parse", "HEAD"])
     env["git_commit"] = commit or "unknown (no git checkout)"
-    if commit:
+    if commit and not os.environ.get("GIT_COMMIT"):
         dirty = _run(["git", "status", "--porcelain", "--", "hf_deltamatch", "benchmarks/attention.py"])
         env["git_dirty"] = bool(dirty)
     try:
