@@ -6,6 +6,8 @@ Frobenius error <= 1e-3 for out, dq, dk, dv; the quantized q8/k8/v8 and their sc
 Shapes are small (N <= 256): each interpreted launch costs ~0.1-0.5 s.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -210,6 +212,25 @@ def test_tma_and_pointer_paths_agree():
         K.TUNE.clear()
     for a, b in zip(*tma):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cu", [None, [0, 70, 71, 200]])
+def test_token_major_copy_fused_or_separate(monkeypatch, cu):
+    """quantize(transposed=True) writes the token-major copy in its own kernel (Triton 3.6) or through
+    token_major() (other versions: Triton 3.9 compiled the fused store wrongly for sm_90): the same bytes,
+    the same token-major layout."""
+    Q = importlib.import_module("hf_deltamatch.kernels.quantize")  # the module (the package exports the function)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 2, 200, 64, generator=g).to(torch.bfloat16).to(DEV)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(Q, "FUSED_TOKEN_MAJOR", fused)
+        outs.append(Q.quantize(x, 64, cu_seqlens=cu_t, max_len=None if cu is None else 129, transposed=True))
+    (y1, yt1, s1), (y2, yt2, s2) = outs
+    assert torch.equal(y1.float(), y2.float()) and torch.equal(s1, s2)
+    assert torch.equal(yt1.float(), yt2.float()) and torch.equal(yt1.float(), y1.float())
+    assert yt1.stride() == yt2.stride() and yt2.stride(2) == 1
 
 
 def _fwd_bwd_tma_vs_pointers():

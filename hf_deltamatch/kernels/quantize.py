@@ -16,6 +16,13 @@ from ._fp8 import FP8_MAX, INTERPRET, tile_scale, to_fp8
 
 FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
+# Whether _quantize_kernel writes the token-major copy itself (one pass over the input). Triton 3.9 compiles that
+# second store wrongly for sm_90 on dense batches (the forward's v8t came out as garbage or NaN on the H200 while
+# the row-major store, varlen batches and _token_major_kernel were right: GPU tests and probe, runs 2016 and 2021),
+# so with any Triton but the 3.6 that the GPU tests passed with, the copy is made by _token_major_kernel instead
+# (one more pass over the fp8 tensor: ~0.02 ms per tensor at B=2, H=16, N=8192, D=128).
+FUSED_TOKEN_MAJOR = triton.__version__.startswith("3.6.")
+
 
 @triton.jit
 def _quantize_kernel(
@@ -61,9 +68,13 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
              transposed=False):
     """Quantize x (B, H, N, D) per `block`-token tile. Returns (y or None, yt or None, scale (B, H, N)).
 
-    yt is a (B, H, N, D) view of a (B, H, D, N16) buffer (tokens contiguous, N rounded up to 16).
+    yt is a (B, H, N, D) view of a (B, H, D, N16) buffer (tokens contiguous, N rounded up to 16), written by the
+    kernel itself if FUSED_TOKEN_MAJOR, else copied from y by token_major().
     Varlen: tokens outside every sequence get zeros and scale 1 (docs/numerics.md; TMA tiles read them).
     """
+    if transposed and not FUSED_TOKEN_MAJOR:
+        y, _, scale = quantize(x, block, fmt, rounding, cu_seqlens, max_len, row_major=True)
+        return (y if row_major else None), token_major(y), scale
     B, H, N, D = x.shape
     dt = FP8_TORCH[fmt]
     alloc = torch.zeros if cu_seqlens is not None else torch.empty
