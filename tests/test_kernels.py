@@ -291,6 +291,13 @@ def test_saved_fp8_zero_outside_sequences(backend):
         assert torch.equal(t[:, :, 272:], torch.ones_like(t[:, :, 272:]))
 
 
+def test_untested_triton_versions_are_named():
+    """Triton versions the GPU tests have not passed with get a warning that says what to run instead."""
+    assert K._untested_triton("3.6.0") is None and K._untested_triton("3.9.1") is None
+    msg = K._untested_triton("3.7.0")
+    assert "3.7.0" in msg and "pytest -m gpu" in msg and "backend='reference'" in msg
+
+
 def test_unknown_tune_key_is_refused():
     """A misspelt launch-config override would time the defaults under the wrong name."""
     q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16, device=DEV)

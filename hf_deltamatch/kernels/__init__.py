@@ -14,7 +14,9 @@ waits, scale reads) and the TUNE overrides for tuning runs live in launch.py.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import torch
 import triton
@@ -31,6 +33,27 @@ from .quantize import quantize, token_major
 __all__ = ["backward", "forward", "supports"]
 
 DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.DS_TILE_Q)
+
+# Triton versions tests/test_kernels_gpu.py passed with on the H200 (benchmarks/NOTES.md). Triton 3.9 computed
+# wrong fp8 forward outputs there until quantize.FUSED_TOKEN_MAJOR worked around it, so any other version gets
+# a warning on its first CUDA launch.
+GPU_TESTED_TRITON = ("3.6", "3.9")
+
+
+def _untested_triton(version: str) -> str | None:
+    """None for a Triton version the GPU tests passed with, else the warning's text."""
+    if ".".join(version.split(".")[:2]) in GPU_TESTED_TRITON:
+        return None
+    return (f"hf_deltamatch's Triton kernels passed their GPU tests with Triton {' and '.join(GPU_TESTED_TRITON)}, "
+            f"not yet with {version} (Triton 3.9 once compiled one of them wrongly): run "
+            "`pytest -m gpu tests/test_kernels_gpu.py` on this GPU before training, or use backend='reference'.")
+
+
+@functools.cache
+def _warn_untested_triton():
+    msg = _untested_triton(triton.__version__)
+    if msg:
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def supports(q, k, v, window, config) -> str | None:
@@ -96,6 +119,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
     _check_tune()
+    if q.is_cuda and not INTERPRET:
+        _warn_untested_triton()
     nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
     qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q)
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k)
