@@ -1,13 +1,18 @@
 #!/usr/bin/env python
 """Registers and spills of the kernels compiled for sm_90 (H100/H200), on any machine: no GPU needed.
 
-  python benchmarks/sm90_registers.py [--kernels fwd,dq,dkdv] [--d 128] [--variants "{'fwd': (128, 4, 3)}"]
+  python benchmarks/sm90_registers.py [--kernels fwd,dq,dkdv] [--d 128] [--variants "{'fwd': (128, 4, 3)}"] [--loops]
 
 Compiles with `triton.compile` for target cuda:90 and reads the cubin's resource usage with the cuobjdump that
 ships inside triton. Spills are the first thing to look at before spending GPU time on a launch config: a
 config that spills hundreds of bytes per thread ran 2-3x slower on the H200 (benchmarks/NOTES.md). Pointer
 and stride arguments are marked divisible by 16, as the launcher does for our tensors; without it loads
 compile to byte accesses and nothing pipelines.
+
+--loops adds, per innermost loop of the SASS (a backward branch's body: about one per key- or query-tile range,
+though ptxas may lay a masked loop out as two overlapping ones), the instructions one warp issues per iteration
+by kind: the H200 runs showed these loops limited by their instruction streams rather than by the tensor cores
+or the MUFU (benchmarks/NOTES.md, session 5), so this count is the figure to lower.
 """
 
 import argparse
@@ -94,7 +99,37 @@ def usage(fn, constexprs, warps, stages, maxnreg=None):
     stack = re.search(r"STACK:(\d+)", res)
     mma = sorted(set(re.findall(r"[QH]GMMA\.[\w.]+", sass)))
     return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=int(stack.group(1)) if stack else None,
-                smem=c.metadata.shared, mma=mma, serialized="; ".join(serialized) or "no")
+                smem=c.metadata.shared, mma=mma, serialized="; ".join(serialized) or "no", loops=loops(sass))
+
+
+# opcode -> the report's column (the rest count as "other": integer, uniform-datapath, predicate, branch ops)
+KINDS = {"MUFU": "mufu", "FFMA": "fp32", "FMUL": "fp32", "FADD": "fp32", "FMNMX": "fp32", "FSEL": "fp32",
+         "FSETP": "fp32", "QGMMA": "mma", "HGMMA": "mma", "SHFL": "shfl", "F2FP": "cvt", "LDL": "spill",
+         "STL": "spill", "LDG": "mem", "STG": "mem", "LDS": "mem", "STS": "mem", "LDSM": "mem", "LDGSTS": "mem"}
+
+
+def loops(sass):
+    """[(start address, {kind: count})] for the innermost loops of a cuobjdump -sass listing: the bodies between
+    a backward branch's target and the branch (outer loops, which contain another, are left out)."""
+    ins = [(int(a, 16), re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0])
+           for a, i in re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*);", sass, re.M)]
+    spans = []
+    for a, i in re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*);", sass, re.M):
+        m = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", i)
+        if m and 0 < int(a, 16) - int(m.group(1), 16):
+            spans.append((int(m.group(1), 16), int(a, 16)))
+    inner = [(lo, hi) for lo, hi in spans if hi - lo > 0x100  # busy-wait loops (try-wait on a barrier) are tiny
+             and not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi and h2 - l2 > 0x100 for l2, h2 in spans)]
+    out = []
+    for lo, hi in sorted(set(inner)):
+        counts = {"all": 0}
+        for a, op in ins:
+            if lo <= a <= hi:
+                counts["all"] += 1
+                kind = KINDS.get(op, "other")
+                counts[kind] = counts.get(kind, 0) + 1
+        out.append((lo, counts))
+    return out
 
 
 def common(d, fp8, causal):
@@ -109,6 +144,7 @@ def main():
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
+    p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
     args = p.parse_args()
     fp8 = not args.bf16
     for var in args.variants.split(";"):
@@ -134,6 +170,9 @@ def main():
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))
             print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
                   f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']}", flush=True)
+            if args.loops:
+                for lo, counts in u["loops"]:
+                    print(f"{'':46s} loop @{lo:#07x}: " + " ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
     K.TUNE.clear()
 
 
