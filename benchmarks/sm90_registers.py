@@ -156,6 +156,7 @@ def main():
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
         wait = {k: dict(WAIT_MMA=K._wait_mma(k, args.d), ASM_SCALES=K._asm_scales(k, args.d))
                 for k in ("fwd", "dq", "dkdv")}
+        wait["dq"]["SCALE_AFTER_SUM"] = K._scale_after_sum(args.d)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
                                       TMA=K._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),

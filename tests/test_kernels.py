@@ -233,6 +233,20 @@ def test_token_major_copy_fused_or_separate(monkeypatch, cu):
     assert yt1.stride() == yt2.stride() and yt2.stride(2) == 1
 
 
+def test_correction_pass_scale_after_sum():
+    """The correction pass scaling each key tile's row sums of P * dP by the tile's dP scale instead of every dP
+    (TUNE dq_scale_after_sum): the same contract, and the invariant still at fp32 rounding."""
+    K.TUNE.update(dq_scale_after_sum=True)
+    try:
+        resid = _run(N=256, causal=True, seed=3)
+        _run(N=200, M=230, causal=False, Hq=4, Hkv=2, block=64, row_sums=False)
+        K.TUNE["dq"] = (128, 8, 2)  # per-row dP scales (two dS tiles per block)
+        _run(N=200, causal=True, row_sums=False)
+    finally:
+        K.TUNE.clear()
+    assert resid <= 1e-5
+
+
 def _fwd_bwd_tma_vs_pointers():
     """(forward out, lse, dq, dk, dv) with the TUNE in force, and the same with pointer loads everywhere."""
     g = torch.Generator().manual_seed(3)

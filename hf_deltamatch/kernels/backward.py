@@ -28,9 +28,9 @@ from .forward import _key_ranges, _load_2d, _mma_done, _per_row, _scale, _seq_bo
 def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, kv_row, offs_m, offs_n, n, m, window,
           BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
           MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-          INTERP: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr):
-    """P = exp(S - LSE) and dP (fp32, scales applied) for query rows offs_m and keys offs_n; also returns k.
-    TMA: K, V are descriptors and kv_row the tile's first row in them (see _tile)."""
+          INTERP: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr, RAW_DP: tl.constexpr):
+    """P = exp(S - LSE) and dP (fp32, scales applied unless RAW_DP) for query rows offs_m and keys offs_n; also
+    returns k. TMA: K, V are descriptors and kv_row the tile's first row in them (see _tile)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     k = _tile(K, kv_row, 0, offs_n, offs_dqk, skn, skd, m, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
@@ -40,7 +40,7 @@ def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, kv_row, offs_m, offs
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k)) * _per_row(s_f, ONE_TILE)
     dp = tl.dot(do, tl.trans(v))
-    if FP8:
+    if FP8 and not RAW_DP:
         dp = dp * _per_row(dp_f, ONE_TILE)
     if MASK:
         s = tl.where(_visible(offs_m, offs_n, n, m, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
@@ -55,7 +55,7 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
               FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
               DS_Q: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr,
-              ASM_SCALES: tl.constexpr):
+              ASM_SCALES: tl.constexpr, SCALE_AFTER_SUM: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     for start_n in range(lo, hi, BLOCK_N):
@@ -67,9 +67,13 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
         if FP8:
             s_f = row_f * _scale(SK + start_n, ASM_SCALES)
             dpf = dp_f * _scale(SV + start_n, ASM_SCALES)
+        fold = PASS1 and FP8 and SCALE_AFTER_SUM
         p, dp, k = _p_dp(q, do, lse2, s_f, dpf, K, V, skn, skd, svn, svd, kv_row + start_n, offs_m, offs_n, n, m,
-                         window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP, ONE_TILE, TMA)
-        if PASS1:
+                         window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP, ONE_TILE, TMA,
+                         fold)
+        if fold:  # the tile's dP scale (per row) applied to its row sums, not to each dP: one FMUL per score less
+            delta += tl.sum(p * dp, 1) * dpf
+        elif PASS1:
             delta += tl.sum(p * dp, 1)
         else:
             ds = p * (dp - delta[:, None])
@@ -106,7 +110,8 @@ def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
               DQK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr,
               E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr, DS_Q: tl.constexpr,
-              ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr):
+              ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
+              SCALE_AFTER_SUM: tl.constexpr):
     """One pass over a query block's visible key tiles: the window's masked edge [lo, mid_lo) (only with a
     window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
     if HAS_WINDOW:
@@ -114,17 +119,17 @@ def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
             kv_row, kt_row, k0, start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-            WAIT_MMA, ASM_SCALES)
+            WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
         kv_row, kt_row, k0, start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-        WAIT_MMA, ASM_SCALES)
+        WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
     dq, c_dq, delta, rs, ra = _dq_inner(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
         kv_row, kt_row, k0, start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-        WAIT_MMA, ASM_SCALES)
+        WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
     return dq, c_dq, delta, rs, ra
 
 
@@ -141,6 +146,7 @@ def _bwd_dq_kernel(
     INTERP: tl.constexpr, DS_Q: tl.constexpr, ONE_TILE: tl.constexpr,  # ONE_TILE: BLOCK_M == DS_Q
     TMA: tl.constexpr,  # K, KT, V are tensor descriptors over 2-D views of k8, k8 token-major, v8
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
+    SCALE_AFTER_SUM: tl.constexpr,  # the correction pass scales each tile's sum of P * dP, not each dP
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -210,12 +216,12 @@ def _bwd_dq_kernel(
             dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
             skn, skd, ktn, ktd, svn, svd, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES)
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
     dq, c_dq, delta, rs, ra = _dq_sweep(
         dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
         skn, skd, ktn, ktd, svn, svd, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
         BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES)
+        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
     dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))

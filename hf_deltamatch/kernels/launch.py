@@ -10,11 +10,12 @@ from ._fp8 import INTERPRET
 # "fwd_maxnreg" / "dq_maxnreg" / "dkdv_maxnreg": a register cap (ptxas .maxnreg, to fit more programs per SM),
 # "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma),
 # "fwd_wait_mma" / "dq_wait_mma" / "dkdv_wait_mma": True / False to wait on accumulating MMAs inside the loop
-# iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales)}.
+# iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales),
+# "dq_scale_after_sum": True / False (see _scale_after_sum)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
-                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales")}
+                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales")} | {"dq_scale_after_sum"}
 
 
 def _check_tune():
@@ -77,6 +78,19 @@ def _asm_scales(kernel: str, d: int, causal: bool = True) -> bool:
     ASM_SCALES_CAUSAL_ONLY, or TUNE[f"{kernel}_asm_scales"]); never under the interpreter, which has no PTX."""
     want = d in ASM_SCALES_HEAD_DIMS[kernel] and (causal or kernel not in ASM_SCALES_CAUSAL_ONLY)
     return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", want))
+
+
+# Head dims at which the correction pass multiplies each key tile's row sums of P * dP by the tile's dP scale
+# instead of scaling every dP first (the same delta up to fp32 rounding): its unmasked loop 385 -> 321 SASS
+# instructions per warp per tile at D=128 (sm_90, Triton 3.6; benchmarks/sm90_registers.py --loops). Not yet
+# timed on a GPU, so off by default (benchmarks/NOTES.md, levers).
+SCALE_AFTER_SUM_HEAD_DIMS = ()
+
+
+def _scale_after_sum(d: int) -> bool:
+    """Whether the dQ kernel's correction pass scales row sums rather than each dP, at head dim d = max(Dqk, Dv)
+    (SCALE_AFTER_SUM_HEAD_DIMS, or TUNE["dq_scale_after_sum"])."""
+    return bool(TUNE.get("dq_scale_after_sum", d in SCALE_AFTER_SUM_HEAD_DIMS))
 
 
 def _maxnreg(kernel: str) -> dict:
