@@ -73,4 +73,3 @@ def cast_to(x, dtype: tl.constexpr, INTERP: tl.constexpr):
     if INTERP and dtype == tl.bfloat16:
         return _round_to_bf16_grid(x).to(dtype)
     return x.to(dtype)
-
