@@ -29,7 +29,7 @@ from hf_deltamatch import kernels as K
 from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from hf_deltamatch.kernels.forward import _fwd_kernel
 
-FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "RS", "RA"}
+FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "LSE2", "RS", "RA"}
 I32_PTRS = {"CUQ", "CUK"}
 FP8_PTRS = {"Q", "QT", "K", "KT", "V", "DO", "DOT"}
 OUT_PTRS = {"O", "DQ", "DK", "DV", "DOHP"}
@@ -63,19 +63,28 @@ def signature(fn, constexprs):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-        # pointers and strides (all but the last-dim strides, which are 1 and specialized away) are multiples of 16
-        if sig[name].startswith("*") or (name.startswith("s") and not name.endswith("d") and name != "softmax_scale"):
+        # pointers and strides (but the unit strides, specialized away in usage()) are multiples of 16
+        if sig[name].startswith("*") or name in strides(fn, constexprs)[1]:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
 
+def strides(fn, constexprs):
+    """(the stride arguments that are 1 at every launch, the others). The last dim's stride is 1, except in the
+    fp8 backward's token-major copies (KT, QT, DOT: (B, H, D, N) storage seen as (B, H, N, D)), whose token
+    stride is 1 and head-dim stride the token count padded to 16 (quantize.token_major)."""
+    names = [a for a in fn.arg_names if re.fullmatch(r"(s|kt|qt|dt)[a-z]*[bhnd]", a) and a != "softmax_scale"
+             and a not in constexprs]
+    token_major = {"ktn", "qtn", "dtn"} if constexprs.get("FP8") else set()
+    unit = {a for a in names if a in token_major or (a.endswith("d") and a[:-1] + "n" not in token_major)}
+    return unit, [a for a in names if a not in unit]
+
+
 def usage(fn, constexprs, warps, stages, maxnreg=None):
     sig, attrs = signature(fn, constexprs)
-    # the last-dim strides are 1 at every launch: Triton specializes 1-valued ints as constants
-    for name in fn.arg_names:
-        if re.fullmatch(r"s[a-z]*d", name) and name != "softmax_scale":
-            sig[name] = "constexpr"
-            constexprs = {**constexprs, name: 1}
+    for name in strides(fn, constexprs)[0]:  # Triton specializes 1-valued ints as constants
+        sig[name] = "constexpr"
+        constexprs = {**constexprs, name: 1}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
@@ -157,6 +166,9 @@ def main():
         wait = {k: dict(WAIT_MMA=K._wait_mma(k, args.d), ASM_SCALES=K._asm_scales(k, args.d))
                 for k in ("fwd", "dq", "dkdv")}
         wait["dq"]["SCALE_AFTER_SUM"] = K._scale_after_sum(args.d)
+        lse2, shift = K._dkdv_lse2(args.d), K._dkdv_p_shift(args.d, fp8)
+        wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
+        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
                                       TMA=K._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),

@@ -247,6 +247,22 @@ def test_correction_pass_scale_after_sum():
     assert resid <= 1e-5
 
 
+@pytest.mark.parametrize("tune", [dict(dkdv_lse2=True, dkdv_p256=True), dict(dkdv_p256=True)])
+def test_dkdv_lse2_and_p256(tune):
+    """The dK/dV kernel reading the dQ kernel's LSE2 and/or taking P * 256 straight from exp2 (TUNE dkdv_lse2,
+    dkdv_p256): the same contract in every mode that reaches the changed code (stale, bf16, window, varlen,
+    pow2 scales, e5m2)."""
+    K.TUNE.update(tune)
+    try:
+        _run(N=256, causal=True, seed=3)
+        _run(N=200, M=230, causal=False, Hq=4, Hkv=2, block=64, row_sums=False, delta="stale")
+        _run(N=200, M=220, window=70, precision="bf16", row_sums=False)
+        cu = [0, 70, 71, 200, 260]
+        _run(N=260, cu=(cu, cu), row_sums=False, grad_format="e5m2", scale_rounding="pow2")
+    finally:
+        K.TUNE.clear()
+
+
 def _fwd_bwd_tma_vs_pointers():
     """(forward out, lse, dq, dk, dv) with the TUNE in force, and the same with pointer loads everywhere."""
     g = torch.Generator().manual_seed(3)

@@ -27,6 +27,7 @@ from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
+    _dkdv_lse2, _dkdv_p_shift,
     _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
@@ -190,6 +191,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     dv_ = torch.zeros((B, Hkv, M, dv), dtype=dtype, device=dev) if varlen or N == 0 else \
         torch.empty((B, Hkv, M, dv), dtype=dtype, device=dev)
     delta = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev)
+    lse2_in, p_shift = _dkdv_lse2(max(dqk, dv)), _dkdv_p_shift(max(dqk, dv), fp8)
+    lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
 
@@ -230,7 +233,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         o_arg = out if stale else do
         grid = (triton.cdiv(max_n, dq_m), B * Hq, nseq)
         _bwd_dq_kernel[grid](
-            qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, rs, ra,
+            qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, lse2, rs, ra,
             cu_seqlens_q, cu_seqlens_k,
             *qs.stride(), *ks.stride(), *_s4(k8t if k8t is not None else ks), *vs.stride(), *doa.stride(),
             *do.stride(),
@@ -238,7 +241,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
             ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", d),
-            ASM_SCALES=_asm_scales("dq", d), SCALE_AFTER_SUM=_scale_after_sum(d),
+            ASM_SCALES=_asm_scales("dq", d), SCALE_AFTER_SUM=_scale_after_sum(d), LSE2_OUT=lse2_in, P_SHIFT=p_shift,
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
@@ -252,12 +255,13 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         grid = (triton.cdiv(max_m, T), B * Hkv, nseq)
         _bwd_dkdv_kernel[grid](
             qa, qta, ks, vs, doa_, dota,
-            sq, sk, sv, sdo, lse, delta, dk, dv_, cu_seqlens_q, cu_seqlens_k,
+            sq, sk, sv, sdo, lse2 if lse2_in else lse, delta, dk, dv_, cu_seqlens_q, cu_seqlens_k,
             *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win,
             GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
-            WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)),
+            WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in,
+            P_SHIFT=p_shift,
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()

@@ -135,7 +135,7 @@ def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, KT, V, DO, SQ, SK, SV, SDO, LSE, DOHP, O, DQ, DELTA, RS, RA, CUQ, CUK,
+    Q, K, KT, V, DO, SQ, SK, SV, SDO, LSE, DOHP, O, DQ, DELTA, LSE2, RS, RA, CUQ, CUK,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, ktb, kth, ktn, ktd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, shb, shh, shn, shd, sob, soh, son, sod, sdqb, sdqh, sdqn, sdqd,
     Hq, Hkv, N, M, softmax_scale, window,
@@ -147,6 +147,7 @@ def _bwd_dq_kernel(
     TMA: tl.constexpr,  # K, KT, V are tensor descriptors over 2-D views of k8, k8 token-major, v8
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
     SCALE_AFTER_SUM: tl.constexpr,  # the correction pass scales each tile's sum of P * dP, not each dP
+    LSE2_OUT: tl.constexpr, P_SHIFT: tl.constexpr,  # write LSE2 = LSE * log2(e) - P_SHIFT for _bwd_dkdv_kernel
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -226,6 +227,8 @@ def _bwd_dq_kernel(
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
     tl.store(DELTA + row0 + offs_m, delta, mask=rmask)
+    if LSE2_OUT:
+        tl.store(LSE2 + row0 + offs_m, lse2 - P_SHIFT, mask=rmask)
     if ROW_SUMS:
         tl.store(RS + row0 + offs_m, rs, mask=rmask)
         tl.store(RA + row0 + offs_m, ra, mask=rmask)
@@ -259,9 +262,9 @@ def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, w
 def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, offs_m, offs_n, n, m, window,
             BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
             MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-            INTERP: tl.constexpr, TMA: tl.constexpr):
-    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m; also the loaded q, dO.
-    TMA: Q, DO are descriptors and q_row the tile's first row in them (see _tile)."""
+            INTERP: tl.constexpr, TMA: tl.constexpr, LSE2_IN: tl.constexpr, P_SHIFT: tl.constexpr):
+    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m, both times 2^P_SHIFT; also the
+    loaded q, dO. TMA: Q, DO are descriptors and q_row the tile's first row in them (see _tile)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _tile(Q, q_row, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
@@ -275,7 +278,10 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, of
     else:
         lse = tl.load(LSE + offs_m)
         delta = tl.load(DELTA + offs_m)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    if LSE2_IN:  # the dQ kernel's LSE2 (already in base 2, minus P_SHIFT)
+        lse2 = lse
+    else:
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634) - P_SHIFT
     st = tl.dot(k, tl.trans(q)) * st_f  # S^T (keys x queries)
     dpt = tl.dot(v, tl.trans(do))
     if FP8:
@@ -300,7 +306,8 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
                 FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-                TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr):
+                TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, LSE2_IN: tl.constexpr,
+                P_SHIFT: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -315,16 +322,21 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
             dpf = dp_f * sdo_t
         pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, q_row + start_m, offs_m,
                                  offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8,
-                                 INTERP, TMA)
+                                 INTERP, TMA, LSE2_IN, P_SHIFT)
         if FP8:
             # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
             cv = sdo_t / 256.0
             dot_ = _tile(DOT, dt_row, q0 + start_m, offs_m, offs_dv, dtn, dtd, n, DV, MASK, BLOCK_DV != DV, TMA, True)
-            dv = tl.dot(to_fp8(pt * 256.0, False, INTERP), dot_, dv * (c_dv / cv))
+            # P * 256, the static scale: exp2 gives it directly when P_SHIFT = 8 (the shift is in LSE2)
+            p256 = pt
+            if P_SHIFT != 8:
+                p256 = pt * (256.0 / (1 << P_SHIFT))
+            dv = tl.dot(to_fp8(p256, False, INTERP), dot_, dv * (c_dv / cv))
             c_dv = cv
-            amax = tl.max(tl.max(tl.abs(dst), 1), 0)
+            # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T itself
+            amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
             sds = tile_scale(amax, FMAX, POW2)
-            r = 1.0 / sds  # multiply, not divide per element (see _dq_inner)
+            r = (1.0 / (1 << P_SHIFT)) / sds  # multiply, not divide per element (see _dq_inner)
             ck = sds * sq_t
             qt = _tile(QT, qt_row, q0 + start_m, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK,
                        TMA, True)
@@ -350,6 +362,8 @@ def _bwd_dkdv_kernel(
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
     TMA: tl.constexpr,  # Q, QT, DO, DOT are tensor descriptors over 2-D views of q8, q8 / dO8 token-major, dO8
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
+    LSE2_IN: tl.constexpr,  # LSE holds the dQ kernel's LSE2 (log2 units, P_SHIFT subtracted), not the LSE
+    P_SHIFT: tl.constexpr,  # 8 (fp8 only): exp2 yields P * 256, the value quantized for P^T dO
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # over B * Hkv
@@ -409,17 +423,17 @@ def _bwd_dkdv_kernel(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m

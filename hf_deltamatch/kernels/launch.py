@@ -11,11 +11,13 @@ from ._fp8 import INTERPRET
 # "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma),
 # "fwd_wait_mma" / "dq_wait_mma" / "dkdv_wait_mma": True / False to wait on accumulating MMAs inside the loop
 # iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales),
-# "dq_scale_after_sum": True / False (see _scale_after_sum)}.
+# "dq_scale_after_sum": True / False (see _scale_after_sum), "dkdv_lse2" / "dkdv_p256": True / False (see
+# _dkdv_lse2, _dkdv_p_shift)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
-                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales")} | {"dq_scale_after_sum"}
+                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales")} | {"dq_scale_after_sum", "dkdv_lse2",
+                                                                                 "dkdv_p256"}
 
 
 def _check_tune():
@@ -91,6 +93,25 @@ def _scale_after_sum(d: int) -> bool:
     """Whether the dQ kernel's correction pass scales row sums rather than each dP, at head dim d = max(Dqk, Dv)
     (SCALE_AFTER_SUM_HEAD_DIMS, or TUNE["dq_scale_after_sum"])."""
     return bool(TUNE.get("dq_scale_after_sum", d in SCALE_AFTER_SUM_HEAD_DIMS))
+
+
+# Head dims at which the dK/dV kernel reads per query the dQ kernel's LSE2 = LSE * log2(e) (minus the shift
+# below) instead of converting the LSE itself (three instructions per query column and tile less), and at which
+# its exp2 yields P * 256 directly, the shift 8 subtracted in LSE2 (one FMUL per score less; dS^T then comes
+# out times 256, undone exactly in the per-tile scale). Not yet timed on a GPU: off by default.
+DKDV_LSE2_HEAD_DIMS = ()
+DKDV_P256_HEAD_DIMS = ()
+
+
+def _dkdv_lse2(d: int) -> bool:
+    """Whether the dQ kernel writes LSE2 for the dK/dV kernel to read (DKDV_LSE2_HEAD_DIMS or TUNE["dkdv_lse2"])."""
+    return bool(TUNE.get("dkdv_lse2", d in DKDV_LSE2_HEAD_DIMS))
+
+
+def _dkdv_p_shift(d: int, fp8: bool) -> int:
+    """The dK/dV kernel's exponent shift: 8 where its exp2 yields P * 256 (fp8 only; DKDV_P256_HEAD_DIMS or
+    TUNE["dkdv_p256"]), else 0."""
+    return 8 if fp8 and TUNE.get("dkdv_p256", d in DKDV_P256_HEAD_DIMS) else 0
 
 
 def _maxnreg(kernel: str) -> dict:
