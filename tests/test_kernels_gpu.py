@@ -187,6 +187,19 @@ def test_correction_pass_scale_after_sum():
     assert res["matching"] <= 1e-5
 
 
+def test_dkdv_lse2_and_p256():
+    """The dK/dV kernel reading the dQ kernel's LSE2 and taking P * 256 straight from exp2 (TUNE dkdv_lse2,
+    dkdv_p256): the same tolerances, full and causal, D 64 and 128, GQA, and the pointer and TMA paths."""
+    K.TUNE.update(dkdv_lse2=True, dkdv_p256=True)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+        _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, causal=False)
+        K.TUNE["dkdv_tma"] = True
+        _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, delta="stale")
+    finally:
+        K.TUNE.clear()
+
+
 def _invariant(N):
     """{delta mode: ||sum_j dS_ij|| / ||sum_j |dS_ij||| over rows} at N keys, D=128, causal."""
     B, H, D = 1, 2, 128
