@@ -263,6 +263,20 @@ def test_dkdv_lse2_and_p256(tune):
         K.TUNE.clear()
 
 
+def test_tile_major_grids():
+    """Every kernel's grid tile-major (TUNE <kernel>_tile_major): the same results, dense, GQA and varlen."""
+    K.TUNE.update(fwd_tile_major=True, dq_tile_major=True, dkdv_tile_major=True)
+    try:
+        assert K._grid("dkdv", 5, 3, 2) == ((3, 5, 2), True)
+        assert K._grid("dkdv", 70000, 3, 2) == ((70000, 3, 2), False)  # past CUDA's grid.y limit
+        _run(N=200, M=230, causal=True, Hq=4, Hkv=2, row_sums=False)
+        cu = [0, 70, 71, 200, 260]
+        _run(N=260, cu=(cu, cu), row_sums=False)
+    finally:
+        K.TUNE.clear()
+    assert K._grid("dkdv", 5, 3, 2) == ((5, 3, 2), False)
+
+
 def _fwd_bwd_tma_vs_pointers():
     """(forward out, lse, dq, dk, dv) with the TUNE in force, and the same with pointer loads everywhere."""
     g = torch.Generator().manual_seed(3)

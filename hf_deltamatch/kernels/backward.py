@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._fp8 import cast_to, tile_scale, to_fp8
-from .forward import _key_ranges, _load_2d, _mma_done, _per_row, _scale, _seq_bounds, _tile, _visible
+from .forward import _grid_ids, _key_ranges, _load_2d, _mma_done, _per_row, _scale, _seq_bounds, _tile, _visible
 
 
 @triton.jit
@@ -148,9 +148,10 @@ def _bwd_dq_kernel(
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
     SCALE_AFTER_SUM: tl.constexpr,  # the correction pass scales each tile's sum of P * dP, not each dP
     LSE2_OUT: tl.constexpr, P_SHIFT: tl.constexpr,  # write LSE2 = LSE * log2(e) - P_SHIFT for _bwd_dkdv_kernel
+    TILE_MAJOR: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    t, nt, pid_bh = _grid_ids(TILE_MAJOR)
+    pid_m = nt - 1 - t  # heaviest query blocks first
     pid_s = tl.program_id(2)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -364,9 +365,9 @@ def _bwd_dkdv_kernel(
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
     LSE2_IN: tl.constexpr,  # LSE holds the dQ kernel's LSE2 (log2 units, P_SHIFT subtracted), not the LSE
     P_SHIFT: tl.constexpr,  # 8 (fp8 only): exp2 yields P * 256, the value quantized for P^T dO
+    TILE_MAJOR: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)  # over B * Hkv
+    pid_n, _, pid_bh = _grid_ids(TILE_MAJOR)  # pid_bh over B * Hkv; the heaviest key tiles (first) first
     pid_s = tl.program_id(2)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv

@@ -58,6 +58,17 @@ def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexp
 
 
 @triton.jit
+def _grid_ids(TILE_MAJOR: tl.constexpr):
+    """(tile, number of tiles, batch * head) of this program. TILE_MAJOR: the grid is (heads, tiles, sequences),
+    so the GPU hands out one tile index for every head before the next index: with the heaviest tiles first,
+    the causal grid then ends on the lightest ones instead of on one head's heaviest (launch.py)."""
+    if TILE_MAJOR:
+        return tl.program_id(1), tl.num_programs(1), tl.program_id(0)
+    else:
+        return tl.program_id(0), tl.num_programs(0), tl.program_id(1)
+
+
+@triton.jit
 def _mma_done(acc, INTERP: tl.constexpr):
     """acc, once the MMA that produced it has completed: an opaque register move makes Triton wait on the MMA
     inside the iteration instead of leaving it in flight across the loop's back edge (which, with cp.async
@@ -204,11 +215,10 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     INTERP: tl.constexpr, TMA: tl.constexpr,  # TMA: Q, K, V are tensor descriptors (fp8, see forward())
-    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
+    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, TILE_MAJOR: tl.constexpr,
 ):
-    # heaviest (last, under causal) query blocks first: better tail balance
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    t, nt, pid_bh = _grid_ids(TILE_MAJOR)
+    pid_m = nt - 1 - t  # heaviest (last, under causal) query blocks first: better tail balance
     pid_s = tl.program_id(2)
     b = pid_bh // Hq
     h = pid_bh % Hq
