@@ -85,9 +85,9 @@ def _asm_scales(kernel: str, d: int, causal: bool = True) -> bool:
 
 # Head dims at which the correction pass multiplies each key tile's row sums of P * dP by the tile's dP scale
 # instead of scaling every dP first (the same delta up to fp32 rounding): its unmasked loop 385 -> 321 SASS
-# instructions per warp per tile at D=128 (sm_90, Triton 3.6; benchmarks/sm90_registers.py --loops). Not yet
-# timed on a GPU, so off by default (benchmarks/NOTES.md, levers).
-SCALE_AFTER_SUM_HEAD_DIMS = ()
+# instructions per warp per tile at D=128 (sm_90, Triton 3.6; benchmarks/sm90_registers.py --loops). H200,
+# N=8192 (run 2110): the dQ kernel 1.783 -> 1.720 ms causal, 3.253 -> 3.182 full at D=128; 2.563 -> 2.589 at D=64.
+SCALE_AFTER_SUM_HEAD_DIMS = (128,)
 
 
 def _scale_after_sum(d: int) -> bool:
@@ -99,9 +99,11 @@ def _scale_after_sum(d: int) -> bool:
 # Head dims at which the dK/dV kernel reads per query the dQ kernel's LSE2 = LSE * log2(e) (minus the shift
 # below) instead of converting the LSE itself (three instructions per query column and tile less), and at which
 # its exp2 yields P * 256 directly, the shift 8 subtracted in LSE2 (one FMUL per score less; dS^T then comes
-# out times 256, undone exactly in the per-tile scale). Not yet timed on a GPU: off by default.
-DKDV_LSE2_HEAD_DIMS = ()
-DKDV_P256_HEAD_DIMS = ()
+# out times 256, undone exactly in the per-tile scale). Unmasked loop 897 -> 822 instructions at D=128. H200,
+# N=8192 (run 2110, the two together vs neither): the dK/dV kernel 2.181 -> 2.108 ms causal, 3.939 -> 3.895 full
+# at D=128, 3.232 -> 3.080 at D=64 (LSE2 alone: 2.148, 3.990, 3.082).
+DKDV_LSE2_HEAD_DIMS = (64, 128)
+DKDV_P256_HEAD_DIMS = (64, 128)
 
 
 def _dkdv_lse2(d: int) -> bool:
