@@ -163,13 +163,12 @@ def main():
         fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
         dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
-        wait = {k: dict(WAIT_MMA=K._wait_mma(k, args.d), ASM_SCALES=K._asm_scales(k, args.d),
-                          TILE_MAJOR=K._grid(k, 1, 1, 1)[1])
+        wait = {k: dict(WAIT_MMA=K._wait_mma(k, args.d), ASM_SCALES=K._asm_scales(k, args.d))
                 for k in ("fwd", "dq", "dkdv")}
         wait["dq"]["SCALE_AFTER_SUM"] = K._scale_after_sum(args.d)
         lse2, shift = K._dkdv_lse2(args.d), K._dkdv_p_shift(args.d, fp8)
         wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
-        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift)
+        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, SKIP_UNIT_RESCALE=bool(K.TUNE.get("dkdv_skip_unit_rescale")))
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
                                       TMA=K._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),

@@ -151,17 +151,16 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
         qa, ka, va = _desc(q8, BLOCK_M, bdqk), _desc(k8, T, bdqk), _desc(v8t, T, bdv)
     dummy = lse
-    grid, tile_major = _grid("fwd", triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq)
+    grid, n_tiles, head_group = _grid("fwd", triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq)
     _fwd_kernel[grid](
         qa, ka, va, sq if fp8 else dummy, sk if fp8 else dummy, sv if fp8 else dummy, out, lse,
         cu_seqlens_q, cu_seqlens_k,
         *_s4(q8 if tma else qa), *_s4(k8 if tma else ka), *_s4(v8t if tma else va), *out.stride(),
-        Hq, Hkv, N, M, float(softmax_scale), int(window) if window is not None else 0,
+        Hq, Hkv, N, M, float(softmax_scale), int(window) if window is not None else 0, n_tiles, head_group,
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
         BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
         INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd", d), ASM_SCALES=_asm_scales("fwd", d),
-        TILE_MAJOR=tile_major,
         num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
@@ -232,18 +231,17 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
             ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
         o_arg = out if stale else do
-        grid, tile_major = _grid("dq", triton.cdiv(max_n, dq_m), B * Hq, nseq)
+        grid, n_tiles, head_group = _grid("dq", triton.cdiv(max_n, dq_m), B * Hq, nseq)
         _bwd_dq_kernel[grid](
             qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, lse2, rs, ra,
             cu_seqlens_q, cu_seqlens_k,
             *qs.stride(), *ks.stride(), *_s4(k8t if k8t is not None else ks), *vs.stride(), *doa.stride(),
             *do.stride(),
             *o_arg.stride(), *dq.stride(),
-            Hq, Hkv, N, M, float(softmax_scale), win,
+            Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
             ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", d),
             ASM_SCALES=_asm_scales("dq", d), SCALE_AFTER_SUM=_scale_after_sum(d), LSE2_OUT=lse2_in, P_SHIFT=p_shift,
-            TILE_MAJOR=tile_major,
             num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
@@ -254,16 +252,16 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
             qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
             doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
-        grid, tile_major = _grid("dkdv", triton.cdiv(max_m, T), B * Hkv, nseq)
+        grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, T), B * Hkv, nseq)
         _bwd_dkdv_kernel[grid](
             qa, qta, ks, vs, doa_, dota,
             sq, sk, sv, sdo, lse2 if lse2_in else lse, delta, dk, dv_, cu_seqlens_q, cu_seqlens_k,
             *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
-            Hq, Hkv, N, M, float(softmax_scale), win,
+            Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group,
             GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
             WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in,
-            P_SHIFT=p_shift, TILE_MAJOR=tile_major,
+            P_SHIFT=p_shift, SKIP_UNIT_RESCALE=bool(TUNE.get("dkdv_skip_unit_rescale", False)),
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()

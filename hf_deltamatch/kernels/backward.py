@@ -138,7 +138,7 @@ def _bwd_dq_kernel(
     Q, K, KT, V, DO, SQ, SK, SV, SDO, LSE, DOHP, O, DQ, DELTA, LSE2, RS, RA, CUQ, CUK,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, ktb, kth, ktn, ktd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, shb, shh, shn, shd, sob, soh, son, sod, sdqb, sdqh, sdqn, sdqd,
-    Hq, Hkv, N, M, softmax_scale, window,
+    Hq, Hkv, N, M, softmax_scale, window, n_tiles, head_group,
     GROUPS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
@@ -148,10 +148,9 @@ def _bwd_dq_kernel(
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
     SCALE_AFTER_SUM: tl.constexpr,  # the correction pass scales each tile's sum of P * dP, not each dP
     LSE2_OUT: tl.constexpr, P_SHIFT: tl.constexpr,  # write LSE2 = LSE * log2(e) - P_SHIFT for _bwd_dkdv_kernel
-    TILE_MAJOR: tl.constexpr,
 ):
-    t, nt, pid_bh = _grid_ids(TILE_MAJOR)
-    pid_m = nt - 1 - t  # heaviest query blocks first
+    t, pid_bh = _grid_ids(n_tiles, head_group)
+    pid_m = n_tiles - 1 - t  # heaviest query blocks first
     pid_s = tl.program_id(2)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -308,7 +307,7 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
                 FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
                 TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, LSE2_IN: tl.constexpr,
-                P_SHIFT: tl.constexpr):
+                P_SHIFT: tl.constexpr, SKIP_UNIT_RESCALE: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -332,7 +331,12 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
             p256 = pt
             if P_SHIFT != 8:
                 p256 = pt * (256.0 / (1 << P_SHIFT))
-            dv = tl.dot(to_fp8(p256, False, INTERP), dot_, dv * (c_dv / cv))
+            if SKIP_UNIT_RESCALE:  # consecutive query tiles of one dO quantization tile share cv
+                if cv != c_dv:
+                    dv = dv * (c_dv / cv)
+            else:
+                dv = dv * (c_dv / cv)
+            dv = tl.dot(to_fp8(p256, False, INTERP), dot_, dv)
             c_dv = cv
             # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T itself
             amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
@@ -356,7 +360,7 @@ def _bwd_dkdv_kernel(
     Q, QT, K, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DK, DV, CUQ, CUK,
     sqb, sqh, sqn, sqd, qtb, qth, qtn, qtd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, dtb, dth, dtn, dtd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    Hq, Hkv, N, M, softmax_scale, window,
+    Hq, Hkv, N, M, softmax_scale, window, n_tiles, head_group,
     GROUPS: tl.constexpr, DQK: tl.constexpr, DV_: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
@@ -365,9 +369,9 @@ def _bwd_dkdv_kernel(
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
     LSE2_IN: tl.constexpr,  # LSE holds the dQ kernel's LSE2 (log2 units, P_SHIFT subtracted), not the LSE
     P_SHIFT: tl.constexpr,  # 8 (fp8 only): exp2 yields P * 256, the value quantized for P^T dO
-    TILE_MAJOR: tl.constexpr,
+    SKIP_UNIT_RESCALE: tl.constexpr,  # skip dV's rescale when the ratio is 1 (TUNE dkdv_skip_unit_rescale)
 ):
-    pid_n, _, pid_bh = _grid_ids(TILE_MAJOR)  # pid_bh over B * Hkv; the heaviest key tiles (first) first
+    pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh over B * Hkv; the heaviest key tiles (first) first
     pid_s = tl.program_id(2)
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
@@ -424,17 +428,17 @@ def _bwd_dkdv_kernel(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, SKIP_UNIT_RESCALE)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, SKIP_UNIT_RESCALE)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, SKIP_UNIT_RESCALE)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m

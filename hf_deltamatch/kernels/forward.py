@@ -58,14 +58,17 @@ def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexp
 
 
 @triton.jit
-def _grid_ids(TILE_MAJOR: tl.constexpr):
-    """(tile, number of tiles, batch * head) of this program. TILE_MAJOR: the grid is (heads, tiles, sequences),
-    so the GPU hands out one tile index for every head before the next index: with the heaviest tiles first,
-    the causal grid then ends on the lightest ones instead of on one head's heaviest (launch.py)."""
-    if TILE_MAJOR:
-        return tl.program_id(1), tl.num_programs(1), tl.program_id(0)
-    else:
-        return tl.program_id(0), tl.num_programs(0), tl.program_id(1)
+def _grid_ids(n_tiles, head_group):
+    """(tile, batch * head) of this program. The grid's first axis runs over n_tiles tiles x the heads, handed
+    out head_group heads at a time and, within a group, tile-major: one tile index for each of the group's
+    heads, then the next index. With the heaviest tiles first, a causal grid then ends on light tiles instead
+    of on one head's heaviest (head_group = 1: head by head; launch.py)."""
+    pid = tl.program_id(0)
+    heads = tl.num_programs(0) // n_tiles
+    g0 = (pid // (head_group * n_tiles)) * head_group
+    size = tl.minimum(head_group, heads - g0)
+    within = pid - g0 * n_tiles
+    return within // size, g0 + within % size
 
 
 @triton.jit
@@ -210,15 +213,15 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
 def _fwd_kernel(
     Q, K, V, SQ, SK, SV, O, LSE, CUQ, CUK,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, son, sod,
-    Hq, Hkv, N, M, softmax_scale, window,
+    Hq, Hkv, N, M, softmax_scale, window, n_tiles, head_group,
     GROUPS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     INTERP: tl.constexpr, TMA: tl.constexpr,  # TMA: Q, K, V are tensor descriptors (fp8, see forward())
-    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, TILE_MAJOR: tl.constexpr,
+    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
 ):
-    t, nt, pid_bh = _grid_ids(TILE_MAJOR)
-    pid_m = nt - 1 - t  # heaviest (last, under causal) query blocks first: better tail balance
+    t, pid_bh = _grid_ids(n_tiles, head_group)
+    pid_m = n_tiles - 1 - t  # heaviest (last, under causal) query blocks first: better tail balance
     pid_s = tl.program_id(2)
     b = pid_bh // Hq
     h = pid_bh % Hq

@@ -11,14 +11,14 @@ from ._fp8 import INTERPRET
 # "fwd_tma" / "dq_tma" / "dkdv_tma": True / False to force TMA descriptor loads on / off (see _use_tma),
 # "fwd_wait_mma" / "dq_wait_mma" / "dkdv_wait_mma": True / False to wait on accumulating MMAs inside the loop
 # iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales),
-# "fwd_tile_major" / "dq_tile_major" / "dkdv_tile_major": True / False (see _grid),
+# "fwd_head_group" / "dq_head_group" / "dkdv_head_group": heads handed out together (see _grid),
 # "dq_scale_after_sum": True / False (see _scale_after_sum), "dkdv_lse2" / "dkdv_p256": True / False (see
 # _dkdv_lse2, _dkdv_p_shift)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
-                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "tile_major")} | {"dq_scale_after_sum", "dkdv_lse2",
-                                                                                 "dkdv_p256"}
+                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")} | {"dq_scale_after_sum", "dkdv_lse2",
+                                                                                 "dkdv_p256", "dkdv_skip_unit_rescale"}
 
 
 def _check_tune():
@@ -117,20 +117,22 @@ def _dkdv_p_shift(d: int, fp8: bool) -> int:
     return 8 if fp8 and TUNE.get("dkdv_p256", d in DKDV_P256_HEAD_DIMS) else 0
 
 
-# The kernels whose grid hands out tiles tile-major (every head's heaviest tile, then every head's next, ...)
-# instead of head-major (all of one head's tiles, then the next head's). Under a causal mask a head's tiles
-# differ in work up to N / BLOCK-fold; head-major, the last head's heaviest tile starts near the end and runs
-# alone (a list-scheduling model of N=8192, 32 heads, 132 SMs: dK/dV ends 7 % after the average SM, 1.7 %
-# tile-major). Not yet timed on a GPU: off by default.
-TILE_MAJOR_KERNELS = ()
+# How many heads each kernel's grid hands out together, tile-major within the group (forward._grid_ids): 1 is
+# head by head. Under a causal mask a head's tiles differ in work up to N / BLOCK-fold, and head by head the
+# last head's heaviest tile starts near the end and runs alone (a list-scheduling model at N=8192, 32 heads,
+# 132 SMs: dK/dV ends 7 % after the average SM, 1.7 % with groups of 2 or more; GQA's dK/dV, 8 KV heads of 4x
+# the work, 24 %). All heads at once (run 2114) paid where the heads' K/V or q/dO outgrow the L2: the dQ
+# kernel 6 % slower at D=128, the dK/dV kernel 2 % slower; GQA's dK/dV 15 % faster, the forward 3 % faster.
+HEAD_GROUP = {"fwd": 1, "dq": 1, "dkdv": 1}
 
 
 def _grid(kernel: str, tiles: int, heads: int, nseq: int):
-    """(grid, TILE_MAJOR) of `kernel`: tiles x heads x sequences, tile-major where TILE_MAJOR_KERNELS or
-    TUNE[f"{kernel}_tile_major"] say so (CUDA's second grid dimension holds at most 65535, so longer grids stay
-    head-major)."""
-    tile_major = bool(TUNE.get(f"{kernel}_tile_major", kernel in TILE_MAJOR_KERNELS)) and tiles <= 65535
-    return ((heads, tiles, nseq) if tile_major else (tiles, heads, nseq)), tile_major
+    """(grid, n_tiles, head_group) of `kernel` over `tiles` tiles x `heads` (batch x head) x `nseq` sequences;
+    the head group from HEAD_GROUP or TUNE[f"{kernel}_head_group"]."""
+    group = int(TUNE.get(f"{kernel}_head_group", HEAD_GROUP[kernel]))
+    if group < 1:
+        raise ValueError(f"{kernel}_head_group must be >= 1, got {group}")
+    return (tiles * heads, 1, nseq), tiles, min(group, max(heads, 1))
 
 
 def _maxnreg(kernel: str) -> dict:
