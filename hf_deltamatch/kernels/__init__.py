@@ -151,7 +151,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
         qa, ka, va = _desc(q8, BLOCK_M, bdqk), _desc(k8, T, bdqk), _desc(v8t, T, bdv)
     dummy = lse
-    grid, n_tiles, head_group = _grid("fwd", triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq)
+    grid, n_tiles, head_group = _grid("fwd", triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq, bool(causal))
     _fwd_kernel[grid](
         qa, ka, va, sq if fp8 else dummy, sk if fp8 else dummy, sv if fp8 else dummy, out, lse,
         cu_seqlens_q, cu_seqlens_k,
@@ -231,7 +231,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
             ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
         o_arg = out if stale else do
-        grid, n_tiles, head_group = _grid("dq", triton.cdiv(max_n, dq_m), B * Hq, nseq)
+        grid, n_tiles, head_group = _grid("dq", triton.cdiv(max_n, dq_m), B * Hq, nseq, bool(causal))
         _bwd_dq_kernel[grid](
             qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, lse2, rs, ra,
             cu_seqlens_q, cu_seqlens_k,
@@ -252,7 +252,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
             qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
             doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
-        grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, T), B * Hkv, nseq)
+        grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, T), B * Hkv, nseq, bool(causal))
         _bwd_dkdv_kernel[grid](
             qa, qta, ks, vs, doa_, dota,
             sq, sk, sv, sdo, lse2 if lse2_in else lse, delta, dk, dv_, cu_seqlens_q, cu_seqlens_k,
@@ -261,7 +261,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group,
             GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
             WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in,
-            P_SHIFT=p_shift, SKIP_UNIT_RESCALE=bool(TUNE.get("dkdv_skip_unit_rescale", False)),
+            P_SHIFT=p_shift,
             num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
         )
     return _ret()

@@ -18,7 +18,7 @@ from ._fp8 import INTERPRET
 TUNE: dict = {}
 TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                                      for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")} | {"dq_scale_after_sum", "dkdv_lse2",
-                                                                                 "dkdv_p256", "dkdv_skip_unit_rescale"}
+                                                                                 "dkdv_p256"}
 
 
 def _check_tune():
@@ -117,19 +117,23 @@ def _dkdv_p_shift(d: int, fp8: bool) -> int:
     return 8 if fp8 and TUNE.get("dkdv_p256", d in DKDV_P256_HEAD_DIMS) else 0
 
 
-# How many heads each kernel's grid hands out together, tile-major within the group (forward._grid_ids): 1 is
-# head by head. Under a causal mask a head's tiles differ in work up to N / BLOCK-fold, and head by head the
-# last head's heaviest tile starts near the end and runs alone (a list-scheduling model at N=8192, 32 heads,
-# 132 SMs: dK/dV ends 7 % after the average SM, 1.7 % with groups of 2 or more; GQA's dK/dV, 8 KV heads of 4x
-# the work, 24 %). All heads at once (run 2114) paid where the heads' K/V or q/dO outgrow the L2: the dQ
-# kernel 6 % slower at D=128, the dK/dV kernel 2 % slower; GQA's dK/dV 15 % faster, the forward 3 % faster.
-HEAD_GROUP = {"fwd": 1, "dq": 1, "dkdv": 1}
+# How many heads each kernel's grid hands out together under a causal mask, tile-major within the group
+# (forward._grid_ids; 1 is head by head, as with any other mask, whose tiles all carry the same work). Causal
+# tiles differ in work up to N / BLOCK-fold, and head by head the last head's heaviest tile starts near the end
+# and runs alone (a list-scheduling model at N=8192, 32 heads, 132 SMs: dK/dV ends 7 % after the average SM,
+# under 2 % with groups of 2 or more; GQA's dK/dV, 8 KV heads of 4x the work, 24 %), while too large a group
+# spreads the reads over more heads' K/V or q/dO than the L2 holds. H200, N=8192 (run 2119, same run, kernel ms
+# head by head -> groups of 4 / 8): forward 0.798 -> 0.762 / 0.765 at D=128, 1.126 -> 1.101 / 1.091 at D=64, GQA
+# 0.794 -> 0.762 / 0.764; dQ 1.752 -> 1.698 / 1.662, 2.588 -> 2.559 / 2.533, GQA 1.687 -> 1.718 / 1.651; dK/dV
+# 2.127 -> 2.103 / 2.093, 3.072 -> 2.998 / 3.006, GQA 2.723 -> 2.337 / 2.366. All heads at once (run 2114) made
+# the dQ kernel 6 % slower at D=128. On the full mask groups did not pay (forward +1.5 %, dQ in 8s +4 %).
+HEAD_GROUP_CAUSAL = {"fwd": 4, "dq": 8, "dkdv": 4}
 
 
-def _grid(kernel: str, tiles: int, heads: int, nseq: int):
+def _grid(kernel: str, tiles: int, heads: int, nseq: int, causal: bool):
     """(grid, n_tiles, head_group) of `kernel` over `tiles` tiles x `heads` (batch x head) x `nseq` sequences;
-    the head group from HEAD_GROUP or TUNE[f"{kernel}_head_group"]."""
-    group = int(TUNE.get(f"{kernel}_head_group", HEAD_GROUP[kernel]))
+    the head group from HEAD_GROUP_CAUSAL (causal) or 1, or TUNE[f"{kernel}_head_group"]."""
+    group = int(TUNE.get(f"{kernel}_head_group", HEAD_GROUP_CAUSAL[kernel] if causal else 1))
     if group < 1:
         raise ValueError(f"{kernel}_head_group must be >= 1, got {group}")
     return (tiles * heads, 1, nseq), tiles, min(group, max(heads, 1))
