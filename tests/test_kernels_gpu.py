@@ -189,11 +189,14 @@ def test_correction_pass_scale_after_sum():
 
 def test_dkdv_lse2_and_p256():
     """The dK/dV kernel reading the dQ kernel's LSE2 and taking P * 256 straight from exp2 (TUNE dkdv_lse2,
-    dkdv_p256): the same tolerances, full and causal, D 64 and 128, GQA, and the pointer and TMA paths."""
+    dkdv_p256): the same tolerances, full and causal, D 64, 128 and 256 (with dq_scale_after_sum), GQA, and the
+    pointer and TMA paths."""
     K.TUNE.update(dkdv_lse2=True, dkdv_p256=True)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, causal=False)
+        K.TUNE["dq_scale_after_sum"] = True
+        _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256)
         K.TUNE["dkdv_tma"] = True
         _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, delta="stale")
     finally:

@@ -259,6 +259,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
             *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
             Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group,
+            # BLOCK_N=T: a dS quantization tile is DS_TILE_Q queries x the block's keys (the contract), so a key
+            # tile smaller than the block would quantize dS differently
             GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
             WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in,
             P_SHIFT=p_shift,
