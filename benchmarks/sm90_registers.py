@@ -168,7 +168,7 @@ def main():
         wait["dq"]["SCALE_AFTER_SUM"] = K._scale_after_sum(args.d)
         lse2, shift = K._dkdv_lse2(args.d), K._dkdv_p_shift(args.d, fp8)
         wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
-        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift)
+        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=K._dkdv_parts(args.d)[-1])
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
                                       TMA=K._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),

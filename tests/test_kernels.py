@@ -286,6 +286,19 @@ def test_head_groups(group):
             K.TUNE.clear()
 
 
+def test_dkdv_split_into_dv_and_dk_launches():
+    """dV and dK from two launches of the dK/dV kernel (TUNE dkdv_split): the same contract in fp8 and bf16, with
+    GQA, varlen, a window and the stale delta."""
+    K.TUNE.update(dkdv_split=True)
+    try:
+        _run(N=200, M=230, causal=True, Hq=4, Hkv=2, row_sums=False)
+        _run(N=200, M=220, window=70, precision="bf16", row_sums=False)
+        cu = [0, 70, 71, 200, 260]
+        _run(N=260, cu=(cu, cu), row_sums=False, delta="stale", causal=False)
+    finally:
+        K.TUNE.clear()
+
+
 def _fwd_bwd_tma_vs_pointers():
     """(forward out, lse, dq, dk, dv) with the TUNE in force, and the same with pointer loads everywhere."""
     g = torch.Generator().manual_seed(3)

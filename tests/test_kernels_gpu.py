@@ -203,6 +203,19 @@ def test_dkdv_lse2_and_p256():
         K.TUNE.clear()
 
 
+@pytest.mark.parametrize("dkdv", [(8, 1), (8, 2)])
+def test_head_dim_256_configs_and_split_dkdv(dkdv):
+    """D > 128 with the launch configs timed in run 2137 and dK/dV split into a dV and a dK launch (TUNE
+    dkdv_split): the same tolerances, causal and full, GQA, MLA's 192/128, and the stale delta."""
+    K.TUNE.update(fwd=(64, 8, 3), dq=(128, 8, 1), dkdv=dkdv, dkdv_split=True)
+    try:
+        _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256)
+        _compare(B=1, Hq=4, Hkv=2, N=1500, Dqk=256, causal=False)
+        _compare(B=1, Hq=4, Hkv=1, N=1000, Dqk=192, Dv=128, delta="stale")
+    finally:
+        K.TUNE.clear()
+
+
 def _invariant(N):
     """{delta mode: ||sum_j dS_ij|| / ||sum_j |dS_ij||| over rows} at N keys, D=128, causal."""
     B, H, D = 1, 2, 128

@@ -262,30 +262,39 @@ def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, w
 def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, offs_m, offs_n, n, m, window,
             BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
             MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-            INTERP: tl.constexpr, TMA: tl.constexpr, LSE2_IN: tl.constexpr, P_SHIFT: tl.constexpr):
+            INTERP: tl.constexpr, TMA: tl.constexpr, LSE2_IN: tl.constexpr, P_SHIFT: tl.constexpr,
+            PART: tl.constexpr):
     """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m, both times 2^P_SHIFT; also the
-    loaded q, dO. TMA: Q, DO are descriptors and q_row the tile's first row in them (see _tile)."""
+    loaded q, dO. TMA: Q, DO are descriptors and q_row the tile's first row in them (see _tile). PART 1 (dV
+    only): no dS^T (P^T stands in for it) and, with FP8, no row-major dO (q stands in)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _tile(Q, q_row, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
-    do = _tile(DO, q_row, 0, offs_m, offs_dv, sdon, sdod, n, DV, MASK, BLOCK_DV != DV, TMA, False)
     if INTERP and not FP8:
         q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    do = q
+    if PART != 1 or not FP8:  # dP needs dO; so does bf16's dV (its dO operand is the row-major tile)
+        do = _tile(DO, q_row, 0, offs_m, offs_dv, sdon, sdod, n, DV, MASK, BLOCK_DV != DV, TMA, False)
+        if INTERP and not FP8:
+            do = do.to(tl.float32)
     if MASK:
         lse = tl.load(LSE + offs_m, mask=offs_m < n, other=float("inf"))
-        delta = tl.load(DELTA + offs_m, mask=offs_m < n, other=0.0)
+        if PART != 1:
+            delta = tl.load(DELTA + offs_m, mask=offs_m < n, other=0.0)
     else:
         lse = tl.load(LSE + offs_m)
-        delta = tl.load(DELTA + offs_m)
+        if PART != 1:
+            delta = tl.load(DELTA + offs_m)
     if LSE2_IN:  # the dQ kernel's LSE2 (already in base 2, minus P_SHIFT)
         lse2 = lse
     else:
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634) - P_SHIFT
     st = tl.dot(k, tl.trans(q)) * st_f  # S^T (keys x queries)
-    dpt = tl.dot(v, tl.trans(do))
-    if FP8:
-        dpt = dpt * dp_f
+    dpt = st
+    if PART != 1:
+        dpt = tl.dot(v, tl.trans(do))
+        if FP8:
+            dpt = dpt * dp_f
     if MASK:  # _visible, transposed: (keys, queries)
         vis = offs_n[:, None] < m
         if CAUSAL:
@@ -295,7 +304,11 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, of
                 vis = vis & (offs_n[:, None] > pos - window)
         st = tl.where(vis, st, float("-inf"))
     pt = tl.exp2(st - lse2[None, :])
-    return pt, pt * (dpt - delta[None, :]), q, do
+    if PART == 1:
+        dst = pt
+    else:
+        dst = pt * (dpt - delta[None, :])
+    return pt, dst, q, do
 
 
 @triton.jit
@@ -307,7 +320,7 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
                 FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
                 TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, LSE2_IN: tl.constexpr,
-                P_SHIFT: tl.constexpr):
+                P_SHIFT: tl.constexpr, PART: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -322,31 +335,39 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
             dpf = dp_f * sdo_t
         pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, q_row + start_m, offs_m,
                                  offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8,
-                                 INTERP, TMA, LSE2_IN, P_SHIFT)
+                                 INTERP, TMA, LSE2_IN, P_SHIFT, PART)
         if FP8:
             # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
-            cv = sdo_t / 256.0
-            dot_ = _tile(DOT, dt_row, q0 + start_m, offs_m, offs_dv, dtn, dtd, n, DV, MASK, BLOCK_DV != DV, TMA, True)
-            # P * 256, the static scale: exp2 gives it directly when P_SHIFT = 8 (the shift is in LSE2)
-            p256 = pt
-            if P_SHIFT != 8:
-                p256 = pt * (256.0 / (1 << P_SHIFT))
-            dv = tl.dot(to_fp8(p256, False, INTERP), dot_, dv * (c_dv / cv))
-            c_dv = cv
-            # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T itself
-            amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
-            sds = tile_scale(amax, FMAX, POW2)
-            r = (1.0 / (1 << P_SHIFT)) / sds  # multiply, not divide per element (see _dq_inner)
-            ck = sds * sq_t
-            qt = _tile(QT, qt_row, q0 + start_m, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK,
-                       TMA, True)
-            dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / ck))
-            c_dk = ck
+            if PART != 2:
+                cv = sdo_t / 256.0
+                dot_ = _tile(DOT, dt_row, q0 + start_m, offs_m, offs_dv, dtn, dtd, n, DV, MASK, BLOCK_DV != DV, TMA,
+                             True)
+                # P * 256, the static scale: exp2 gives it directly when P_SHIFT = 8 (the shift is in LSE2)
+                p256 = pt
+                if P_SHIFT != 8:
+                    p256 = pt * (256.0 / (1 << P_SHIFT))
+                dv = tl.dot(to_fp8(p256, False, INTERP), dot_, dv * (c_dv / cv))
+                c_dv = cv
+            if PART != 1:
+                # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T itself
+                amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
+                sds = tile_scale(amax, FMAX, POW2)
+                r = (1.0 / (1 << P_SHIFT)) / sds  # multiply, not divide per element (see _dq_inner)
+                ck = sds * sq_t
+                qt = _tile(QT, qt_row, q0 + start_m, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK,
+                           TMA, True)
+                dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / ck))
+                c_dk = ck
         else:
-            dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
-            dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
+            if PART != 2:
+                dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
+            if PART != 1:
+                dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
         if WAIT_MMA:  # waiting on dK's MMA retires dV's too, which then overlaps the dS quantization
-            dk = _mma_done(dk, INTERP)
+            if PART == 1:
+                dv = _mma_done(dv, INTERP)
+            else:
+                dk = _mma_done(dk, INTERP)
     return dk, dv, c_dk, c_dv
 
 
@@ -364,6 +385,7 @@ def _bwd_dkdv_kernel(
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
     LSE2_IN: tl.constexpr,  # LSE holds the dQ kernel's LSE2 (log2 units, P_SHIFT subtracted), not the LSE
     P_SHIFT: tl.constexpr,  # 8 (fp8 only): exp2 yields P * 256, the value quantized for P^T dO
+    PART: tl.constexpr,  # 0: dK and dV; 1: dV only (no dP, no dS); 2: dK only (launch.py, _dkdv_split)
 ):
     pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh over B * Hkv; the heaviest key tiles (first) first
     pid_s = tl.program_id(2)
@@ -422,21 +444,23 @@ def _bwd_dkdv_kernel(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m
-    tl.store(DK + b64 * sdkb + hk64 * sdkh + k064 * sdkn + offs_n[:, None] * sdkn + offs_dqk[None, :] * sdkd,
-             cast_to(dk, DK.dtype.element_ty, INTERP), mask=nmask[:, None] & (offs_dqk[None, :] < DQK))
-    tl.store(DV + b64 * sdvb + hk64 * sdvh + k064 * sdvn + offs_n[:, None] * sdvn + offs_dv[None, :] * sdvd,
-             cast_to(dv, DV.dtype.element_ty, INTERP), mask=nmask[:, None] & (offs_dv[None, :] < DV_))
+    if PART != 1:
+        tl.store(DK + b64 * sdkb + hk64 * sdkh + k064 * sdkn + offs_n[:, None] * sdkn + offs_dqk[None, :] * sdkd,
+                 cast_to(dk, DK.dtype.element_ty, INTERP), mask=nmask[:, None] & (offs_dqk[None, :] < DQK))
+    if PART != 2:
+        tl.store(DV + b64 * sdvb + hk64 * sdvh + k064 * sdvn + offs_n[:, None] * sdvn + offs_dv[None, :] * sdvd,
+                 cast_to(dv, DV.dtype.element_ty, INTERP), mask=nmask[:, None] & (offs_dv[None, :] < DV_))

@@ -13,12 +13,12 @@ from ._fp8 import INTERPRET
 # iteration or not (see _wait_mma), "<kernel>_asm_scales": False to read per-tile scales with tl.load (_asm_scales),
 # "fwd_head_group" / "dq_head_group" / "dkdv_head_group": heads handed out together (see _grid),
 # "dq_scale_after_sum": True / False (see _scale_after_sum), "dkdv_lse2" / "dkdv_p256": True / False (see
-# _dkdv_lse2, _dkdv_p_shift)}.
+# _dkdv_lse2, _dkdv_p_shift), "dkdv_split": True / False (see _dkdv_parts)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                                      for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")} | {"dq_scale_after_sum", "dkdv_lse2",
-                                                                                 "dkdv_p256"}
+                                                                                 "dkdv_p256", "dkdv_split"}
 
 
 def _check_tune():
@@ -137,6 +137,18 @@ def _grid(kernel: str, tiles: int, heads: int, nseq: int, causal: bool):
     if group < 1:
         raise ValueError(f"{kernel}_head_group must be >= 1, got {group}")
     return (tiles * heads, 1, nseq), tiles, min(group, max(heads, 1))
+
+
+# Head dims at which dK and dV come from two launches of the dK/dV kernel (dV alone: S^T and P^T dO; dK alone:
+# S^T, dP^T and dS^T q) instead of one: one fp32 accumulator of BLOCK_N x D per program instead of two, for
+# one more matmul (5 instead of 4). Not yet timed on a GPU: off by default.
+DKDV_SPLIT_HEAD_DIMS = ()
+
+
+def _dkdv_parts(d: int) -> tuple:
+    """The dK/dV kernel's launches at head dim d, as its PART constant: (0,) both at once, or (1, 2) dV then dK
+    (DKDV_SPLIT_HEAD_DIMS or TUNE["dkdv_split"])."""
+    return (1, 2) if TUNE.get("dkdv_split", d in DKDV_SPLIT_HEAD_DIMS) else (0,)
 
 
 def _maxnreg(kernel: str) -> dict:
