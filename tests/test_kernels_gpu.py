@@ -216,6 +216,13 @@ def test_head_dim_256_configs_and_split_dkdv(dkdv):
         K.TUNE.clear()
 
 
+def test_head_dim_256_bf16_mode():
+    """bf16 mode at D=256 (and MLA's 192/128) with its own launch configs: bf16 tiles take twice the shared
+    memory of fp8 ones."""
+    _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256, precision="bf16")
+    _compare(B=1, Hq=4, Hkv=1, N=1000, Dqk=192, Dv=128, precision="bf16", causal=False)
+
+
 def _invariant(N):
     """{delta mode: ||sum_j dS_ij|| / ||sum_j |dS_ij||| over rows} at N keys, D=128, causal."""
     B, H, D = 1, 2, 128

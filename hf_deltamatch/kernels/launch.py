@@ -35,7 +35,9 @@ def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     d = max(dqk, dv)
     if d <= 128:  # H200, N=8192 causal D=128 (run 1917): (64, 4, 3) 0.787 ms vs (128, 8, 3) 0.962, (64, 4, 2) 1.009
         return 64, 4, 3
-    return 64, 8, 2  # D=256: 2 warpgroups split the head dim, no spills (4 warps spilled ~800 B)
+    # D=256 (run 2144): (64, 8, 3) 1.196 ms vs (64, 8, 2) 1.371, (64, 8, 1) 1.551; 2 warpgroups split the head dim.
+    # bf16 tiles are twice the bytes: 1 stage keeps shared memory within the SM's 227 KB (3 stages: 416 KB)
+    return (64, 8, 3) if fp8 else (64, 8, 1)
 
 
 # The head dims (max of Dqk, Dv) at which each kernel reads its FP8 tiles through TMA tensor descriptors by
@@ -87,7 +89,8 @@ def _asm_scales(kernel: str, d: int, causal: bool = True) -> bool:
 # instead of scaling every dP first (the same delta up to fp32 rounding): its unmasked loop 385 -> 321 SASS
 # instructions per warp per tile at D=128 (sm_90, Triton 3.6; benchmarks/sm90_registers.py --loops). H200,
 # N=8192 (run 2110): the dQ kernel 1.783 -> 1.720 ms causal, 3.253 -> 3.182 full at D=128; 2.563 -> 2.589 at D=64.
-SCALE_AFTER_SUM_HEAD_DIMS = (128,)
+# D=256 with LSE2 and P*256 below (run 2144): dQ 2.255 -> 2.244, dK/dV 2.467 -> 2.402.
+SCALE_AFTER_SUM_HEAD_DIMS = (128, 256)
 
 
 def _scale_after_sum(d: int) -> bool:
@@ -102,8 +105,8 @@ def _scale_after_sum(d: int) -> bool:
 # out times 256, undone exactly in the per-tile scale). Unmasked loop 897 -> 822 instructions at D=128. H200,
 # N=8192 (run 2110, the two together vs neither): the dK/dV kernel 2.181 -> 2.108 ms causal, 3.939 -> 3.895 full
 # at D=128, 3.232 -> 3.080 at D=64 (LSE2 alone: 2.148, 3.990, 3.082).
-DKDV_LSE2_HEAD_DIMS = (64, 128)
-DKDV_P256_HEAD_DIMS = (64, 128)
+DKDV_LSE2_HEAD_DIMS = (64, 128, 256)
+DKDV_P256_HEAD_DIMS = (64, 128, 256)
 
 
 def _dkdv_lse2(d: int) -> bool:
@@ -139,16 +142,17 @@ def _grid(kernel: str, tiles: int, heads: int, nseq: int, causal: bool):
     return (tiles * heads, 1, nseq), tiles, min(group, max(heads, 1))
 
 
-# Head dims at which dK and dV come from two launches of the dK/dV kernel (dV alone: S^T and P^T dO; dK alone:
-# S^T, dP^T and dS^T q) instead of one: one fp32 accumulator of BLOCK_N x D per program instead of two, for
-# one more matmul (5 instead of 4). Not yet timed on a GPU: off by default.
-DKDV_SPLIT_HEAD_DIMS = ()
+# Above this head dim dK and dV come from two launches of the dK/dV kernel (dV alone: S^T and P^T dO; dK
+# alone: S^T, dP^T and dS^T q) instead of one: one fp32 accumulator of BLOCK_N x D per program instead of two,
+# for one more matmul (5 instead of 4). At D=256 two accumulators spill 2.2 KB per thread, one 40-56 B: the
+# kernel 9.98 ms (best unsplit config) -> 2.47 ms (run 2144); at D=128 splitting costs 2.11 -> 3.00 ms.
+DKDV_SPLIT_ABOVE = 128
 
 
 def _dkdv_parts(d: int) -> tuple:
     """The dK/dV kernel's launches at head dim d, as its PART constant: (0,) both at once, or (1, 2) dV then dK
-    (DKDV_SPLIT_HEAD_DIMS or TUNE["dkdv_split"])."""
-    return (1, 2) if TUNE.get("dkdv_split", d in DKDV_SPLIT_HEAD_DIMS) else (0,)
+    (d > DKDV_SPLIT_ABOVE, or TUNE["dkdv_split"])."""
+    return (1, 2) if TUNE.get("dkdv_split", d > DKDV_SPLIT_ABOVE) else (0,)
 
 
 def _maxnreg(kernel: str) -> dict:
@@ -166,6 +170,7 @@ def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     elif d <= 128:  # D=128 (run 1917): dq (64, 4, 2) 1.778 ms vs (128, 8, 2) 2.122, (64, 4, 3) 2.235; dK/dV (8, 3)
         # 2.163 vs (8, 2) 2.314, (8, 4) 2.170
         base = (64, 4, 2, 8, 3)
-    else:
-        base = (64, 8, 1, 16, 1)
+    else:  # D=256 causal (runs 2137, 2144): dq (128, 8, 1) 2.256 ms vs (64, 8, 1) 3.732, (64, 8, 2) 3.067; dK/dV split
+        # (_dkdv_parts) (8, 2) 2.467 vs (8, 1) 2.691; unsplit (8, 1) 9.983, (16, 1) 21.449 (1.9 KB spills), (16, 2) 10.845
+        base = (128, 8, 1, 8, 2) if fp8 else (64, 8, 1, 8, 1)  # bf16: the configs within 227 KB of shared memory
     return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]))
