@@ -10,7 +10,8 @@ DS_TILE_Q = 64 rows, each with its own scale):
 Kernel 2, `_bwd_dkdv_kernel`, one program per key tile per KV head, looping over the GQA group's query
   heads and the query tiles that see it (so dK/dV sum over the group without atomics):
   S^T, P^T, dP^T, dS^T as above (same tile, same dynamic scale), dV += (P8^T @ dO8) * sdo / 256,
-  dK += (dS8^T @ q8) * sds * sq.
+  dK += (dS8^T @ q8) * sds * sq. Above D=128 it runs twice, for dV alone (PART 1: no dP, no dS) and for dK
+  alone (PART 2), so a program holds one BLOCK_N x D accumulator, not two (launch.DKDV_SPLIT_ABOVE).
 Everything is deterministic (dQ is written once by its owner), so config.deterministic costs nothing.
 FP8 operands contracted over tokens (dO and q in kernel 2, k in kernel 1) are read from (D, N) copies
 (tokens contiguous) so every FP8 matmul gets K-major operands. TMA=True (kernels._use_tma): those tiles come
