@@ -16,9 +16,9 @@ from ._fp8 import INTERPRET
 # _dkdv_lse2, _dkdv_p_shift), "dkdv_split": True / False (see _dkdv_parts)}.
 # Empty in normal use.
 TUNE: dict = {}
-TUNE_KEYS = {"fwd", "dq", "dkdv"} | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
-                                     for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")} | {"dq_scale_after_sum", "dkdv_lse2",
-                                                                                 "dkdv_p256", "dkdv_split"}
+TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split"}
+             | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
+                for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
 
 def _check_tune():
@@ -170,7 +170,8 @@ def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
     elif d <= 128:  # D=128 (run 1917): dq (64, 4, 2) 1.778 ms vs (128, 8, 2) 2.122, (64, 4, 3) 2.235; dK/dV (8, 3)
         # 2.163 vs (8, 2) 2.314, (8, 4) 2.170
         base = (64, 4, 2, 8, 3)
-    else:  # D=256 causal (runs 2137, 2144): dq (128, 8, 1) 2.256 ms vs (64, 8, 1) 3.732, (64, 8, 2) 3.067; dK/dV split
-        # (_dkdv_parts) (8, 2) 2.467 vs (8, 1) 2.691; unsplit (8, 1) 9.983, (16, 1) 21.449 (1.9 KB spills), (16, 2) 10.845
-        base = (128, 8, 1, 8, 2) if fp8 else (64, 8, 1, 8, 1)  # bf16: the configs within 227 KB of shared memory
+    else:  # D=256 causal (runs 2137, 2144): dq (128, 8, 1) 2.256 ms vs (64, 8, 1) 3.732, (64, 8, 2) 3.067;
+        # dK/dV split (_dkdv_parts) (8, 2) 2.467 vs (8, 1) 2.691; unsplit (8, 1) 9.983, (16, 1) 21.449 (1.9 KB
+        # spills), (16, 2) 10.845. bf16: configs within the SM's 227 KB of shared memory (untimed)
+        base = (128, 8, 1, 8, 2) if fp8 else (64, 8, 1, 8, 1)
     return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]))
