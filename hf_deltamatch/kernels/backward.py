@@ -386,7 +386,7 @@ def _bwd_dkdv_kernel(
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
     LSE2_IN: tl.constexpr,  # LSE holds the dQ kernel's LSE2 (log2 units, P_SHIFT subtracted), not the LSE
     P_SHIFT: tl.constexpr,  # 8 (fp8 only): exp2 yields P * 256, the value quantized for P^T dO
-    PART: tl.constexpr,  # 0: dK and dV; 1: dV only (no dP, no dS); 2: dK only (launch.py, _dkdv_split)
+    PART: tl.constexpr,  # 0: dK and dV; 1: dV only (no dP, no dS); 2: dK only (launch._dkdv_parts)
 ):
     pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh over B * Hkv; the heaviest key tiles (first) first
     pid_s = tl.program_id(2)
