@@ -44,6 +44,7 @@ def signature(fn, constexprs):
         descs = {"_fwd_kernel": {"Q": (bm, bd), "K": (bn, bd), "V": (bv, bn)},
                  "_bwd_dq_kernel": {"K": (bn, bd), "KT": (bd, bn), "V": (bn, bv)},
                  "_bwd_dkdv_kernel": {"Q": (bm, bd), "QT": (bd, bm), "DO": (bm, bv), "DOT": (bv, bm)}}[fn.__name__]
+    marked = set(strides(fn, constexprs)[1])  # the non-unit strides
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
@@ -65,7 +66,7 @@ def signature(fn, constexprs):
             sig[name] = "i32"
         # pointers and strides (but the unit strides, specialized away in usage()) are multiples of 16, and so
         # are the sequence lengths of the benchmarks' launches (N = M = 8192; Triton marks such ints itself)
-        if sig[name].startswith("*") or name in strides(fn, constexprs)[1] or name in ("N", "M"):
+        if sig[name].startswith("*") or name in marked or name in ("N", "M"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 

@@ -176,6 +176,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     qs, ks, vs = (q8, k8, v8) if fp8 else (q, k, v)
     B, Hq, N, dqk = qs.shape
     _, Hkv, M, dv = vs.shape
+    d = max(dqk, dv)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
@@ -192,7 +193,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     dv_ = torch.zeros((B, Hkv, M, dv), dtype=dtype, device=dev) if varlen or N == 0 else \
         torch.empty((B, Hkv, M, dv), dtype=dtype, device=dev)
     delta = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev)
-    lse2_in, p_shift = _dkdv_lse2(max(dqk, dv)), _dkdv_p_shift(max(dqk, dv), fp8)
+    lse2_in, p_shift = _dkdv_lse2(d), _dkdv_p_shift(d, fp8)
     lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
@@ -214,7 +215,6 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         doa = do
         sq = sk = sv = sdo = delta  # unused
     dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8)
-    d = max(dqk, dv)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     common = dict(DQK=dqk, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
                   CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
