@@ -29,7 +29,7 @@ from hf_deltamatch import kernels as K
 from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from hf_deltamatch.kernels.forward import _fwd_kernel
 
-FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "LSE2", "RS", "RA"}
+FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "LSE2", "RS", "RA", "DSS"}
 I32_PTRS = {"CUQ", "CUK"}
 FP8_PTRS = {"Q", "QT", "K", "KT", "V", "DO", "DOT"}
 OUT_PTRS = {"O", "DQ", "DK", "DV", "DOHP"}
@@ -170,7 +170,9 @@ def main():
         wait["dq"]["SCALE_AFTER_SUM"] = K._scale_after_sum(args.d)
         lse2, shift = K._dkdv_lse2(args.d), K._dkdv_p_shift(args.d, fp8)
         wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
-        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=K._dkdv_parts(args.d)[-1])
+        dss = K._dkdv_ds_scales(args.d, fp8)
+        wait["dq"]["DSS_OUT"] = dss
+        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=K._dkdv_parts(args.d)[-1], DSS_IN=dss)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
                                       TMA=K._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),

@@ -376,3 +376,36 @@ def test_unknown_tune_key_is_refused():
     finally:
         K.TUNE.clear()
     K.forward(q, q, q, **kw)
+
+
+@pytest.mark.parametrize("dq_cfg", [None, (128, 8, 2)])
+def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg):
+    """The dK/dV kernel taking each dS tile's scale from the dQ kernel instead of its own absmax (TUNE
+    dkdv_ds_scales): the same contract with GQA, a window, varlen (unaligned starts, a one-token sequence), the
+    stale delta and 128-row dQ blocks (two dS tiles per block, the second past a sequence's end), and dK equal
+    to the dK/dV kernel's own-absmax dK up to fp32 rounding (a misplaced scale changes the fp8 rounding by
+    percents)."""
+    cu = [0, 70, 71, 200, 260]
+    runs = [dict(N=200, M=230, causal=True, Hq=4, Hkv=2), dict(N=200, M=220, window=70, block=64),
+            dict(N=260, cu=(cu, cu), delta="stale", causal=False), dict(N=260, cu=(cu, cu), Hq=2, Hkv=1)]
+    for kw in runs:
+        grads = []
+        for on in (True, False):
+            K.TUNE.update(dkdv_ds_scales=on, **({"dq": dq_cfg} if dq_cfg else {}))
+            try:
+                _run(row_sums=False, **kw)
+                g = torch.Generator().manual_seed(1)
+                B, Hq, Hkv, N = 1, kw.get("Hq", 2), kw.get("Hkv", 1), kw["N"]
+                M = kw.get("M", N)
+                mk = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16).to(DEV)  # noqa: E731
+                q, k, v, do = mk(B, Hq, N, 64), mk(B, Hkv, M, 64), mk(B, Hkv, M, 64), mk(B, Hq, N, 64)
+                cuq = None if "cu" not in kw else torch.tensor(kw["cu"][0], dtype=torch.int32, device=DEV)
+                args = dict(causal=kw.get("causal", True), softmax_scale=0.125, window=kw.get("window"),
+                            cu_seqlens_q=cuq, cu_seqlens_k=cuq,
+                            config=DeltaMatchConfig(block=kw.get("block", 128), delta=kw.get("delta", "matching")))
+                saved = R.forward(q, k, v, **args)
+                grads.append(K.backward(do, q, k, v, saved[0], saved[1], *saved[2:], **args))
+            finally:
+                K.TUNE.clear()
+        for name, a, b in zip(("dq", "dk", "dv"), *grads):
+            assert _rel(a, b) <= 1e-5, (name, kw, _rel(a, b))

@@ -27,7 +27,7 @@ from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
-    _dkdv_lse2, _dkdv_p_shift, _dkdv_parts, _grid,
+    _dkdv_ds_scales, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts, _grid,
     _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
@@ -197,6 +197,12 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
+    # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
+    # head: backward._dss_row's bound N // DS_TILE_Q + nseq. Ones: a tile the dQ kernel skips is all masked, and 1
+    # is what tile_scale gives an all-zero tile.
+    ds_scales = _dkdv_ds_scales(d, fp8) and N > 0 and M > 0
+    dss_tq, dss_tk = (N // DS_TILE_Q + nseq, triton.cdiv(max_m, T)) if ds_scales else (0, 0)
+    dss = torch.ones((B * Hq, dss_tq, dss_tk), dtype=torch.float32, device=dev) if ds_scales else delta
 
     def _ret():
         grads = (dq, dk, dv_)
@@ -234,16 +240,16 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         o_arg = out if stale else do
         grid, n_tiles, head_group = _grid("dq", triton.cdiv(max_n, dq_m), B * Hq, nseq, bool(causal))
         _bwd_dq_kernel[grid](
-            qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, lse2, rs, ra,
+            qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, lse2, rs, ra, dss,
             cu_seqlens_q, cu_seqlens_k,
             *qs.stride(), *ks.stride(), *_s4(k8t if k8t is not None else ks), *vs.stride(), *doa.stride(),
             *do.stride(),
             *o_arg.stride(), *dq.stride(),
-            Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group,
+            Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group, dss_tq, dss_tk,
             GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
             ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", d),
             ASM_SCALES=_asm_scales("dq", d), SCALE_AFTER_SUM=_scale_after_sum(d), LSE2_OUT=lse2_in, P_SHIFT=p_shift,
-            num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
+            DSS_OUT=ds_scales, num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
         )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
     if M > 0 and max_m > 0:
@@ -257,15 +263,15 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         for part in _dkdv_parts(d):
             _bwd_dkdv_kernel[grid](
                 qa, qta, ks, vs, doa_, dota,
-                sq, sk, sv, sdo, lse2 if lse2_in else lse, delta, dk, dv_, cu_seqlens_q, cu_seqlens_k,
+                sq, sk, sv, sdo, lse2 if lse2_in else lse, delta, dss, dk, dv_, cu_seqlens_q, cu_seqlens_k,
                 *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
                 *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
-                Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group,
+                Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group, dss_tq, dss_tk,
                 # BLOCK_N=T: a dS quantization tile is DS_TILE_Q queries x the block's keys (the contract), so a key
                 # tile smaller than the block would quantize dS differently
                 GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
                 WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in,
-                P_SHIFT=p_shift, PART=part,
+                P_SHIFT=p_shift, PART=part, DSS_IN=ds_scales,
                 num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
             )
     return _ret()

@@ -49,14 +49,14 @@ def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, kv_row, offs_m, offs
 
 
 @triton.jit
-def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-              kv_row, kt_row, k0, start_m, lo, hi, n, m, window,
+def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
+              dss_tk, kv_row, kt_row, k0, start_m, lo, hi, n, m, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
               FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
               DS_Q: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr,
-              ASM_SCALES: tl.constexpr, SCALE_AFTER_SUM: tl.constexpr):
+              ASM_SCALES: tl.constexpr, SCALE_AFTER_SUM: tl.constexpr, DSS_OUT: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     for start_n in range(lo, hi, BLOCK_N):
@@ -86,9 +86,14 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                 amax = tl.max(tl.abs(ds), 1)
                 if ONE_TILE:
                     sds = tile_scale(tl.max(amax, 0), FMAX, POW2)
+                    if DSS_OUT:  # for the dK/dV kernel (launch._dkdv_ds_scales)
+                        tl.store(DSS + start_n // BLOCK_N, sds, mask=start_m < n)
                 else:
                     sub = tile_scale(tl.max(tl.reshape(amax, (BLOCK_M // DS_Q, DS_Q)), 1), FMAX, POW2)
                     sds = tl.reshape(tl.broadcast_to(sub[:, None], (BLOCK_M // DS_Q, DS_Q)), (BLOCK_M,))
+                    if DSS_OUT:  # a sub-tile past the sequence's end is not a tile: its slot may be the next's
+                        i = tl.arange(0, BLOCK_M // DS_Q)
+                        tl.store(DSS + i * dss_tk + start_n // BLOCK_N, sub, mask=start_m + i * DS_Q < n)
                 # multiply by 1/sds: Triton's fp32 `/` is div.full.f32, one MUFU op per element, and the MUFU
                 # unit is already busy with exp2 (the reciprocal is per tile; pow2 scales make it exact)
                 r = _per_row(1.0 / sds, ONE_TILE)
@@ -105,41 +110,41 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
 
 
 @triton.jit
-def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-              kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn,
+              svd, dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr,
               E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr, DS_Q: tl.constexpr,
               ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
-              SCALE_AFTER_SUM: tl.constexpr):
+              SCALE_AFTER_SUM: tl.constexpr, DSS_OUT: tl.constexpr):
     """One pass over a query block's visible key tiles: the window's masked edge [lo, mid_lo) (only with a
     window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
     if HAS_WINDOW:
         dq, c_dq, delta, rs, ra = _dq_inner(
-            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-            kv_row, kt_row, k0, start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
+            dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-            WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
+            WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
     dq, c_dq, delta, rs, ra = _dq_inner(
-        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-        kv_row, kt_row, k0, start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
+        dss_tk, kv_row, kt_row, k0, start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-        WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
+        WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
     dq, c_dq, delta, rs, ra = _dq_inner(
-        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, skn, skd, ktn, ktd, svn, svd,
-        kv_row, kt_row, k0, start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
+        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
+        dss_tk, kv_row, kt_row, k0, start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-        WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
+        WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
     return dq, c_dq, delta, rs, ra
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, KT, V, DO, SQ, SK, SV, SDO, LSE, DOHP, O, DQ, DELTA, LSE2, RS, RA, CUQ, CUK,
+    Q, K, KT, V, DO, SQ, SK, SV, SDO, LSE, DOHP, O, DQ, DELTA, LSE2, RS, RA, DSS, CUQ, CUK,
     sqb, sqh, sqn, sqd, skb, skh, skn, skd, ktb, kth, ktn, ktd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, shb, shh, shn, shd, sob, soh, son, sod, sdqb, sdqh, sdqn, sdqd,
-    Hq, Hkv, N, M, softmax_scale, window, n_tiles, head_group,
+    Hq, Hkv, N, M, softmax_scale, window, n_tiles, head_group, dss_tq, dss_tk,
     GROUPS: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
@@ -149,6 +154,7 @@ def _bwd_dq_kernel(
     WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
     SCALE_AFTER_SUM: tl.constexpr,  # the correction pass scales each tile's sum of P * dP, not each dP
     LSE2_OUT: tl.constexpr, P_SHIFT: tl.constexpr,  # write LSE2 = LSE * log2(e) - P_SHIFT for _bwd_dkdv_kernel
+    DSS_OUT: tl.constexpr,  # write each dS tile's scale for _bwd_dkdv_kernel (at _dss_row)
 ):
     t, pid_bh = _grid_ids(n_tiles, head_group)
     pid_m = n_tiles - 1 - t  # heaviest query blocks first
@@ -172,6 +178,7 @@ def _bwd_dq_kernel(
     SKb = SK + (b64 * Hkv + hk) * M + k0
     SVb = SV + (b64 * Hkv + hk) * M + k0
     row0 = pid_bh.to(tl.int64) * N + q0  # offset of this sequence in the (B, H, N) fp32 row arrays
+    DSSm = DSS + _dss_row(pid_bh, q0, pid_s, dss_tq, DS_Q) * dss_tk + (start_m // DS_Q) * dss_tk
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -215,15 +222,15 @@ def _bwd_dq_kernel(
         delta = tl.sum(dohp * o, 1)
     else:  # the correction pass
         dq, c_dq, delta, rs, ra = _dq_sweep(
-            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-            skn, skd, ktn, ktd, svn, svd, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb, DSSm,
+            skn, skd, ktn, ktd, svn, svd, dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, False)
     dq, c_dq, delta, rs, ra = _dq_sweep(
-        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb,
-        skn, skd, ktn, ktd, svn, svd, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
+        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb, DSSm,
+        skn, skd, ktn, ktd, svn, svd, dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
         BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM)
+        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
     dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
@@ -233,6 +240,13 @@ def _bwd_dq_kernel(
     if ROW_SUMS:
         tl.store(RS + row0 + offs_m, rs, mask=rmask)
         tl.store(RA + row0 + offs_m, ra, mask=rmask)
+
+
+@triton.jit
+def _dss_row(bh, q0, pid_s, dss_tq, DS_Q: tl.constexpr):
+    """Row of a sequence's first dS tile in the (B*Hq, dss_tq, dss_tk) tile-scale array: q0 // DS_Q + the sequence
+    index keeps sequences that share a DS_Q-token stretch apart (varlen starts need not be multiples of DS_Q)."""
+    return bh.to(tl.int64) * dss_tq + q0 // DS_Q + pid_s
 
 
 @triton.jit
@@ -313,15 +327,15 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, of
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, col_f, dp_f,
-                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0,
+def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, DSS, col_f, dp_f,
+                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0,
                 start_n, lo, hi, n, m, window,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
                 FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
                 TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, LSE2_IN: tl.constexpr,
-                P_SHIFT: tl.constexpr, PART: tl.constexpr):
+                P_SHIFT: tl.constexpr, PART: tl.constexpr, DSS_IN: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -350,9 +364,12 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
                 dv = tl.dot(to_fp8(p256, False, INTERP), dot_, dv * (c_dv / cv))
                 c_dv = cv
             if PART != 1:
-                # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T itself
-                amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
-                sds = tile_scale(amax, FMAX, POW2)
+                if DSS_IN:  # the dQ kernel's scale of this tile (launch._dkdv_ds_scales)
+                    sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
+                else:
+                    # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T itself
+                    amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
+                    sds = tile_scale(amax, FMAX, POW2)
                 r = (1.0 / (1 << P_SHIFT)) / sds  # multiply, not divide per element (see _dq_inner)
                 ck = sds * sq_t
                 qt = _tile(QT, qt_row, q0 + start_m, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK,
@@ -374,10 +391,10 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, c
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, QT, K, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DK, DV, CUQ, CUK,
+    Q, QT, K, V, DO, DOT, SQ, SK, SV, SDO, LSE, DELTA, DSS, DK, DV, CUQ, CUK,
     sqb, sqh, sqn, sqd, qtb, qth, qtn, qtd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdon, sdod, dtb, dth, dtn, dtd, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    Hq, Hkv, N, M, softmax_scale, window, n_tiles, head_group,
+    Hq, Hkv, N, M, softmax_scale, window, n_tiles, head_group, dss_tq, dss_tk,
     GROUPS: tl.constexpr, DQK: tl.constexpr, DV_: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
@@ -387,6 +404,7 @@ def _bwd_dkdv_kernel(
     LSE2_IN: tl.constexpr,  # LSE holds the dQ kernel's LSE2 (log2 units, P_SHIFT subtracted), not the LSE
     P_SHIFT: tl.constexpr,  # 8 (fp8 only): exp2 yields P * 256, the value quantized for P^T dO
     PART: tl.constexpr,  # 0: dK and dV; 1: dV only (no dP, no dS); 2: dK only (launch._dkdv_parts)
+    DSS_IN: tl.constexpr,  # read each dS tile's scale from the dQ kernel's DSS instead of the tile's absmax
 ):
     pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh over B * Hkv; the heaviest key tiles (first) first
     pid_s = tl.program_id(2)
@@ -441,21 +459,22 @@ def _bwd_dkdv_kernel(
         SDOg = SDO + bh * N + q0
         LSEg = LSE + bh * N + q0
         DELTAg = DELTA + bh * N + q0
+        DSSg = DSS + _dss_row(bh, q0, pid_s, dss_tq, BLOCK_M) * dss_tk + pid_n  # BLOCK_M is the dS tile's rows
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f,
+            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m
