@@ -378,20 +378,21 @@ def test_unknown_tune_key_is_refused():
     K.forward(q, q, q, **kw)
 
 
-@pytest.mark.parametrize("dq_cfg", [None, (128, 8, 2)])
-def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg):
+@pytest.mark.parametrize("dq_cfg,block_n", [(None, None), ((128, 8, 2), None), (None, 32)])
+def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg, block_n):
     """The dK/dV kernel taking each dS tile's scale from the dQ kernel instead of its own absmax (TUNE
     dkdv_ds_scales): the same contract with GQA, a window, varlen (unaligned starts, a one-token sequence), the
-    stale delta and 128-row dQ blocks (two dS tiles per block, the second past a sequence's end), and dK equal
-    to the dK/dV kernel's own-absmax dK up to fp32 rounding (a misplaced scale changes the fp8 rounding by
-    percents)."""
+    stale delta, 128-row dQ blocks (two dS tiles per block, the second past a sequence's end) and dK/dV programs
+    of fewer keys than a dS tile (TUNE dkdv_block_n), and dK equal to the dK/dV kernel's own-absmax dK up to fp32
+    rounding (a misplaced scale changes the fp8 rounding by percents)."""
     cu = [0, 70, 71, 200, 260]
     runs = [dict(N=200, M=230, causal=True, Hq=4, Hkv=2), dict(N=200, M=220, window=70, block=64),
             dict(N=260, cu=(cu, cu), delta="stale", causal=False), dict(N=260, cu=(cu, cu), Hq=2, Hkv=1)]
     for kw in runs:
         grads = []
         for on in (True, False):
-            K.TUNE.update(dkdv_ds_scales=on, **({"dq": dq_cfg} if dq_cfg else {}))
+            K.TUNE.update(dkdv_ds_scales=on, **({"dq": dq_cfg} if dq_cfg else {}),
+                          **({"dkdv_block_n": block_n} if block_n and on else {}))
             try:
                 _run(row_sums=False, **kw)
                 g = torch.Generator().manual_seed(1)
@@ -409,3 +410,13 @@ def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg):
                 K.TUNE.clear()
         for name, a, b in zip(("dq", "dk", "dv"), *grads):
             assert _rel(a, b) <= 1e-5, (name, kw, _rel(a, b))
+
+
+def test_dkdv_block_n_needs_the_ds_scales():
+    """A dK/dV program smaller than a dS tile cannot find the tile's scale itself: refused, with what to do."""
+    K.TUNE.update(dkdv_ds_scales=False, dkdv_block_n=64)
+    try:
+        with pytest.raises(ValueError, match="dkdv_ds_scales"):
+            _run(N=64, row_sums=False)
+    finally:
+        K.TUNE.clear()

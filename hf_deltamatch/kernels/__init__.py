@@ -27,7 +27,7 @@ from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
-    _dkdv_ds_scales, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts, _grid,
+    _dkdv_block_n, _dkdv_ds_scales, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts, _grid,
     _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
@@ -259,7 +259,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
             qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
             doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
-        grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, T), B * Hkv, nseq, bool(causal))
+        kv_n = _dkdv_block_n(T, ds_scales)
+        grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, kv_n), B * Hkv, nseq, bool(causal))
         for part in _dkdv_parts(d):
             _bwd_dkdv_kernel[grid](
                 qa, qta, ks, vs, doa_, dota,
@@ -267,9 +268,9 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                 *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
                 *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
                 Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group, dss_tq, dss_tk,
-                # BLOCK_N=T: a dS quantization tile is DS_TILE_Q queries x the block's keys (the contract), so a key
-                # tile smaller than the block would quantize dS differently
-                GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=T, TMA=kv_tma,
+                # a dS quantization tile is DS_TILE_Q queries x the block's keys (the contract): a key tile smaller
+                # than the block (kv_n) reads the tile's scale from the dQ kernel (launch._dkdv_block_n)
+                GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=kv_n, DS_K=T, TMA=kv_tma,
                 WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in,
                 P_SHIFT=p_shift, PART=part, DSS_IN=ds_scales,
                 num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),

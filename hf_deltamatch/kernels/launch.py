@@ -14,10 +14,11 @@ from ._fp8 import INTERPRET
 # "fwd_head_group" / "dq_head_group" / "dkdv_head_group": heads handed out together (see _grid),
 # "dq_scale_after_sum": True / False (see _scale_after_sum), "dkdv_lse2" / "dkdv_p256": True / False (see
 # _dkdv_lse2, _dkdv_p_shift), "dkdv_split": True / False (see _dkdv_parts), "dkdv_ds_scales": True / False (see
-# _dkdv_ds_scales)}.
+# _dkdv_ds_scales), "dkdv_block_n": the dK/dV kernel's key tile (see _dkdv_block_n)}.
 # Empty in normal use.
 TUNE: dict = {}
-TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales"}
+TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
+              "dkdv_block_n"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -132,6 +133,17 @@ def _dkdv_ds_scales(d: int, fp8: bool) -> bool:
     """Whether the dK/dV kernel reads the dQ kernel's dS tile scales (fp8 only; DKDV_DS_SCALES_HEAD_DIMS or
     TUNE["dkdv_ds_scales"])."""
     return fp8 and bool(TUNE.get("dkdv_ds_scales", d in DKDV_DS_SCALES_HEAD_DIMS))
+
+
+def _dkdv_block_n(block: int, ds_scales: bool) -> int:
+    """Keys per program of the dK/dV kernel: the block (one dS tile's keys), or with the dQ kernel's dS scales a
+    divisor of it (TUNE["dkdv_block_n"]): a program then covers part of each dS tile, whose scale it reads, so
+    the quantization is the block's either way."""
+    bn = int(TUNE.get("dkdv_block_n", block))
+    if bn != block and not (ds_scales and bn >= 16 and block % bn == 0):
+        raise ValueError(f"dkdv_block_n={bn} needs dkdv_ds_scales on and a divisor >= 16 of the block ({block}): a "
+                         "program must hold whole dS tiles to find their scales itself")
+    return bn
 
 
 # How many heads each kernel's grid hands out together under a causal mask, tile-major within the group
