@@ -163,7 +163,8 @@ def main():
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         c = common(args.d, fp8, True)
         fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
-        dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8)
+        kv_n = K._dkdv_block_n(args.block, args.d, K._dkdv_ds_scales(args.d, fp8))
+        dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8, kv_n if kv_n < args.block else None)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
         wait = {k: dict(WAIT_MMA=K._wait_mma(k, args.d), ASM_SCALES=K._asm_scales(k, args.d))
                 for k in ("fwd", "dq", "dkdv")}
@@ -180,7 +181,7 @@ def main():
                                         ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
                                         TMA=K._use_tma("dq", fp8, args.d, args.d), **wait["dq"]), dw, ds),
             "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q,
-                                            BLOCK_N=K._dkdv_block_n(args.block, dss), DS_K=args.block,
+                                            BLOCK_N=kv_n, DS_K=args.block,
                                             TMA=K._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
         }
         for name in args.kernels.split(","):

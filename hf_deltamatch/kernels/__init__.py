@@ -197,10 +197,11 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
+    ds_scales = _dkdv_ds_scales(d, fp8) and N > 0 and M > 0
+    kv_n = _dkdv_block_n(T, d, ds_scales)
     # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
     # head: backward._dss_row's bound N // DS_TILE_Q + nseq. Ones: a tile the dQ kernel skips is all masked, and 1
     # is what tile_scale gives an all-zero tile.
-    ds_scales = _dkdv_ds_scales(d, fp8) and N > 0 and M > 0
     dss_tq, dss_tk = (N // DS_TILE_Q + nseq, triton.cdiv(max_m, T)) if ds_scales else (0, 0)
     dss = torch.ones((B * Hq, dss_tq, dss_tk), dtype=torch.float32, device=dev) if ds_scales else delta
 
@@ -220,7 +221,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     else:
         doa = do
         sq = sk = sv = sdo = delta  # unused
-    dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8)
+    dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8, kv_n if kv_n < T else None)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     common = dict(DQK=dqk, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
                   CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
@@ -259,7 +260,6 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
             qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
             doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
-        kv_n = _dkdv_block_n(T, ds_scales)
         grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, kv_n), B * Hkv, nseq, bool(causal))
         for part in _dkdv_parts(d):
             _bwd_dkdv_kernel[grid](

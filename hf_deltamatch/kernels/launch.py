@@ -125,8 +125,11 @@ def _dkdv_p_shift(d: int, fp8: bool) -> int:
 # Head dims at which the dQ kernel writes each dS tile's scale (one fp32 per DS_TILE_Q x block tile) and the
 # dK/dV kernel reads it instead of finding the tile's absmax itself: the same tile, the same scale (up to fp32
 # rounding between the kernels' recomputed dS), without the absmax, its shuffles and its two CTA barriers per
-# tile (the tile spans both warpgroups there). Unmasked loop 596 -> 541 instructions at D=64 (sm_90, Triton 3.6).
-DKDV_DS_SCALES_HEAD_DIMS = (64, 128, 256)
+# tile (the tile spans both warpgroups there). Unmasked loop 596 -> 544 instructions at D=64 (sm_90, Triton 3.6).
+# H200, N=8192 (run 2234, dK/dV kernel ms, off -> on, on twice): D=64 causal 3.003 -> 2.612 / 2.613, D=128 causal
+# 2.106 -> 2.072 / 2.085, full 3.763 -> 3.593 / 3.613, GQA 2.344 -> 2.390 / 2.422; D=256 dK/dV 2.403 -> 2.321 but
+# its dQ kernel (128-row blocks: a two-scale store per tile) 2.248 -> 2.469, so not there.
+DKDV_DS_SCALES_HEAD_DIMS = (64, 128)
 
 
 def _dkdv_ds_scales(d: int, fp8: bool) -> bool:
@@ -135,11 +138,18 @@ def _dkdv_ds_scales(d: int, fp8: bool) -> bool:
     return fp8 and bool(TUNE.get("dkdv_ds_scales", d in DKDV_DS_SCALES_HEAD_DIMS))
 
 
-def _dkdv_block_n(block: int, ds_scales: bool) -> int:
-    """Keys per program of the dK/dV kernel: the block (one dS tile's keys), or with the dQ kernel's dS scales a
-    divisor of it (TUNE["dkdv_block_n"]): a program then covers part of each dS tile, whose scale it reads, so
-    the quantization is the block's either way."""
-    bn = int(TUNE.get("dkdv_block_n", block))
+# Keys per dK/dV program by head dim, where the dQ kernel's dS scales are read (_dkdv_ds_scales) and so a program
+# may cover part of a dS tile: 64 keys are one warpgroup's wgmma rows, a program of 4 warps, two per SM that
+# share no barrier (one's softmax can run under the other's MMAs), instead of one program of two warpgroups in
+# lockstep. Elsewhere the block (one dS tile's keys).
+DKDV_BLOCK_N = {64: 64}
+
+
+def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
+    """Keys per program of the dK/dV kernel at head dim d: the block (one dS tile's keys), or with the dQ
+    kernel's dS scales a divisor of it (DKDV_BLOCK_N or TUNE["dkdv_block_n"]): a program then covers part of
+    each dS tile, whose scale it reads, so the quantization is the block's either way."""
+    bn = int(TUNE.get("dkdv_block_n", min(block, DKDV_BLOCK_N.get(d, block)) if ds_scales else block))
     if bn != block and not (ds_scales and bn >= 16 and block % bn == 0):
         raise ValueError(f"dkdv_block_n={bn} needs dkdv_ds_scales on and a divisor >= 16 of the block ({block}): a "
                          "program must hold whole dS tiles to find their scales itself")
@@ -187,8 +197,9 @@ def _maxnreg(kernel: str) -> dict:
     return {"maxnreg": cap} if cap else {}
 
 
-def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
-    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages)."""
+def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool, kv_n=None):
+    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages); kv_n: the dK/dV program's keys where fewer than
+    the block (_dkdv_block_n), 64 of them one warpgroup (4 warps)."""
     d = max(dqk, dv)
     if d <= 64:  # H200 N=8192 causal D=64 (run 1956): dq (64, 4, 3) 2.558 ms vs (64, 4, 2) 2.896; dK/dV (8, 3)
         # 3.239 vs (8, 2) 3.781
@@ -200,4 +211,6 @@ def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool):
         # dK/dV split (_dkdv_parts) (8, 2) 2.467 vs (8, 1) 2.691; unsplit (8, 1) 9.983, (16, 1) 21.449 (1.9 KB
         # spills), (16, 2) 10.845. bf16: configs within the SM's 227 KB of shared memory (untimed)
         base = (128, 8, 1, 8, 2) if fp8 else (64, 8, 1, 8, 1)
+    if kv_n is not None and kv_n <= 64:
+        base = (*base[:3], 4, base[4])
     return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]))
