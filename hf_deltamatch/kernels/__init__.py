@@ -197,7 +197,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
-    ds_scales = _dkdv_ds_scales(d, fp8) and N > 0 and M > 0
+    ds_scales = _dkdv_ds_scales(d, fp8, Hq != Hkv) and N > 0 and M > 0
     kv_n = _dkdv_block_n(T, d, ds_scales)
     # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
     # head: backward._dss_row's bound N // DS_TILE_Q + nseq. Ones: a tile the dQ kernel skips is all masked, and 1

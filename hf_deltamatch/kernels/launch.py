@@ -126,16 +126,20 @@ def _dkdv_p_shift(d: int, fp8: bool) -> int:
 # dK/dV kernel reads it instead of finding the tile's absmax itself: the same tile, the same scale (up to fp32
 # rounding between the kernels' recomputed dS), without the absmax, its shuffles and its two CTA barriers per
 # tile (the tile spans both warpgroups there). Unmasked loop 596 -> 544 instructions at D=64 (sm_90, Triton 3.6).
-# H200, N=8192 (run 2234, dK/dV kernel ms, off -> on, on twice): D=64 causal 3.003 -> 2.612 / 2.613, D=128 causal
-# 2.106 -> 2.072 / 2.085, full 3.763 -> 3.593 / 3.613, GQA 2.344 -> 2.390 / 2.422; D=256 dK/dV 2.403 -> 2.321 but
-# its dQ kernel (128-row blocks: a two-scale store per tile) 2.248 -> 2.469, so not there.
+# H200, N=8192 (runs 2234 and 2245, dK/dV kernel ms, off -> on): D=64 causal 3.003 -> 2.612 (-> 2.396 with the
+# 64-key programs of DKDV_BLOCK_N that it allows), D=128 causal 2.106 -> 2.072 / 2.085 / 2.075 / 2.084, full
+# 3.763 -> 3.593 / 3.613 / 3.624 / 3.594, but D=128 GQA (4 query heads per KV head) 2.344 / 2.349 -> 2.390 / 2.422
+# / 2.394 / 2.385, so not with GQA there; D=256 dK/dV 2.403 -> 2.321 but its dQ kernel (128-row blocks: a
+# two-scale store per tile) 2.248 -> 2.469, so not there.
 DKDV_DS_SCALES_HEAD_DIMS = (64, 128)
+DKDV_DS_SCALES_GQA_HEAD_DIMS = (64,)
 
 
-def _dkdv_ds_scales(d: int, fp8: bool) -> bool:
-    """Whether the dK/dV kernel reads the dQ kernel's dS tile scales (fp8 only; DKDV_DS_SCALES_HEAD_DIMS or
-    TUNE["dkdv_ds_scales"])."""
-    return fp8 and bool(TUNE.get("dkdv_ds_scales", d in DKDV_DS_SCALES_HEAD_DIMS))
+def _dkdv_ds_scales(d: int, fp8: bool, gqa: bool = False) -> bool:
+    """Whether the dK/dV kernel reads the dQ kernel's dS tile scales (fp8 only; DKDV_DS_SCALES_HEAD_DIMS, with GQA
+    DKDV_DS_SCALES_GQA_HEAD_DIMS, or TUNE["dkdv_ds_scales"])."""
+    dims = DKDV_DS_SCALES_GQA_HEAD_DIMS if gqa else DKDV_DS_SCALES_HEAD_DIMS
+    return fp8 and bool(TUNE.get("dkdv_ds_scales", d in dims))
 
 
 # Keys per dK/dV program by head dim, where the dQ kernel's dS scales are read (_dkdv_ds_scales) and so a program
