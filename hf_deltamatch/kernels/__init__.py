@@ -37,10 +37,10 @@ __all__ = ["backward", "forward", "supports"]
 DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.DS_TILE_Q)
 
 # Triton versions tests/test_kernels_gpu.py passed with on the H200, with the kernels as they are now
-# (benchmarks/NOTES.md). Triton 3.9 computed wrong fp8 forward outputs there until quantize.FUSED_TOKEN_MAJOR
-# worked around it, and passed after that, but has not run session 6's kernel changes: like any other version
-# it gets a warning on its first CUDA launch until it does.
-GPU_TESTED_TRITON = ("3.6",)
+# (benchmarks/NOTES.md; 27/27 with both in session 7, runs 2245 and 2257). Triton 3.9 computed wrong fp8 forward
+# outputs there until quantize.FUSED_TOKEN_MAJOR worked around it. Any other version gets a warning on its first
+# CUDA launch.
+GPU_TESTED_TRITON = ("3.6", "3.9")
 
 
 def _untested_triton(version: str) -> str | None:

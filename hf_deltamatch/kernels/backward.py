@@ -6,10 +6,12 @@ DS_TILE_Q = 64 rows, each with its own scale):
           P = exp(S - LSE) in fp32, dP = (dO8 @ v8^T) * sdo * sv in fp32, delta += rowsum(P * dP).
           (delta="stale": delta = rowsum(dO * O) from the high-precision dO and out instead.)
   pass 2: the same S, P, dP again; dS = P * (dP - delta) in fp32, quantized per 64 x block tile with a
-          dynamic scale; dQ += (dS8 @ k8) * sds * sk. Writes dQ and delta (for kernel 2).
+          dynamic scale; dQ += (dS8 @ k8) * sds * sk. Writes dQ and delta (for kernel 2), and where
+          launch._dkdv_ds_scales says so each dS tile's scale (DSS).
 Kernel 2, `_bwd_dkdv_kernel`, one program per key tile per KV head, looping over the GQA group's query
   heads and the query tiles that see it (so dK/dV sum over the group without atomics):
-  S^T, P^T, dP^T, dS^T as above (same tile, same dynamic scale), dV += (P8^T @ dO8) * sdo / 256,
+  S^T, P^T, dP^T, dS^T as above (same tile, same dynamic scale: its own absmax, or kernel 1's scale, which lets
+  a program cover part of a dS tile's keys, launch._dkdv_block_n), dV += (P8^T @ dO8) * sdo / 256,
   dK += (dS8^T @ q8) * sds * sq. Above D=128 it runs twice, for dV alone (PART 1: no dP, no dS) and for dK
   alone (PART 2), so a program holds one BLOCK_N x D accumulator, not two (launch.DKDV_SPLIT_ABOVE).
 Everything is deterministic (dQ is written once by its owner), so config.deterministic costs nothing.
