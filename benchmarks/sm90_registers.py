@@ -173,7 +173,8 @@ def main():
         wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
         dss = K._dkdv_ds_scales(args.d, fp8)
         wait["dq"]["DSS_OUT"] = dss
-        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=K._dkdv_parts(args.d)[-1], DSS_IN=dss)
+        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=K._dkdv_parts(args.d)[-1], DSS_IN=dss,
+                            FOLD=K._dkdv_fold_ds_scale(args.d, dss))
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
                                       TMA=K._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),

@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Configuration from the environment would silently change what the tests check.
-for _var in ("HF_DELTAMATCH_PRECISION", "HF_DELTAMATCH_DELTA", "HF_DELTAMATCH_BACKEND"):
+_CONFIG_ENV = ("HF_DELTAMATCH_PRECISION", "HF_DELTAMATCH_DELTA", "HF_DELTAMATCH_BACKEND")
+for _var in _CONFIG_ENV:
     os.environ.pop(_var, None)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,8 +33,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _restore_default_config():
+    """The op's default config and its environment variables, as they were before each test: the training
+    recipe sets HF_DELTAMATCH_PRECISION/_DELTA process-wide on purpose (its workers inherit them), and read by
+    every later call they would switch another test's op to fp8 when the recipe test ran first in a worker."""
     import hf_deltamatch
 
     saved = hf_deltamatch.get_default_config()
+    saved_env = {var: os.environ.get(var) for var in _CONFIG_ENV}
     yield
     hf_deltamatch.set_default_config(saved)
+    for var, value in saved_env.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value

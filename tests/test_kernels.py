@@ -379,12 +379,14 @@ def test_unknown_tune_key_is_refused():
     K.forward(q, q, q, **kw)
 
 
-@pytest.mark.parametrize("dq_cfg,block_n", [(None, None), ((128, 8, 2), None), (None, 32)])
-def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg, block_n):
+@pytest.mark.parametrize("dq_cfg,block_n,fold", [(None, None, False), ((128, 8, 2), None, False), (None, 32, False),
+                                                  (None, 32, True)])
+def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg, block_n, fold):
     """The dK/dV kernel taking each dS tile's scale from the dQ kernel instead of its own absmax (TUNE
     dkdv_ds_scales): the same contract with GQA, a window, varlen (unaligned starts, a one-token sequence), the
-    stale delta, 128-row dQ blocks (two dS tiles per block, the second past a sequence's end) and dK/dV programs
-    of fewer keys than a dS tile (TUNE dkdv_block_n), and dK equal to the dK/dV kernel's own-absmax dK up to fp32
+    stale delta, 128-row dQ blocks (two dS tiles per block, the second past a sequence's end), dK/dV programs
+    of fewer keys than a dS tile (TUNE dkdv_block_n) and the scale folded into dP's and delta (TUNE
+    dkdv_fold_ds_scale), and dK equal to the dK/dV kernel's own-absmax dK up to fp32
     rounding (a misplaced scale changes the fp8 rounding by percents)."""
     cu = [0, 70, 71, 200, 260]
     runs = [dict(N=200, M=230, causal=True, Hq=4, Hkv=2), dict(N=200, M=220, window=70, block=64),
@@ -393,7 +395,7 @@ def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg, block_n):
         grads = []
         for on in (True, False):
             K.TUNE.update(dkdv_ds_scales=on, **({"dq": dq_cfg} if dq_cfg else {}),
-                          **({"dkdv_block_n": block_n} if block_n and on else {}))
+                          **({"dkdv_block_n": block_n, "dkdv_fold_ds_scale": fold} if block_n and on else {}))
             try:
                 _run(row_sums=False, **kw)
                 g = torch.Generator().manual_seed(1)

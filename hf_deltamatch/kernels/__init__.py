@@ -27,7 +27,7 @@ from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
-    _dkdv_block_n, _dkdv_ds_scales, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts, _grid,
+    _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts, _grid,
     _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
@@ -272,7 +272,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                 # than the block (kv_n) reads the tile's scale from the dQ kernel (launch._dkdv_block_n)
                 GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=kv_n, DS_K=T, TMA=kv_tma,
                 WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in,
-                P_SHIFT=p_shift, PART=part, DSS_IN=ds_scales,
+                P_SHIFT=p_shift, PART=part, DSS_IN=ds_scales, FOLD=_dkdv_fold_ds_scale(d, ds_scales),
                 num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
             )
     return _ret()

@@ -276,13 +276,13 @@ def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, w
 
 
 @triton.jit
-def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, offs_m, offs_n, n, m, window,
+def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, d_f, sqn, sqd, sdon, sdod, q_row, offs_m, offs_n, n, m, window,
             BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
             MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
             INTERP: tl.constexpr, TMA: tl.constexpr, LSE2_IN: tl.constexpr, P_SHIFT: tl.constexpr,
-            PART: tl.constexpr):
-    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m, both times 2^P_SHIFT; also the
-    loaded q, dO. TMA: Q, DO are descriptors and q_row the tile's first row in them (see _tile). PART 1 (dV
+            PART: tl.constexpr, FOLD: tl.constexpr):
+    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m, both times 2^P_SHIFT (FOLD: dS^T
+    times d_f too, folded into dP's scale dp_f by the caller and into delta here); also the loaded q, dO. TMA: Q, DO are descriptors and q_row the tile's first row in them (see _tile). PART 1 (dV
     only): no dS^T (P^T stands in for it) and, with FP8, no row-major dO (q stands in)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -306,6 +306,8 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, q_row, of
         lse2 = lse
     else:
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634) - P_SHIFT
+    if FOLD and PART != 1:
+        delta = delta * d_f
     st = tl.dot(k, tl.trans(q)) * st_f  # S^T (keys x queries)
     dpt = st
     if PART != 1:
@@ -337,7 +339,7 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, D
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
                 FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
                 TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, LSE2_IN: tl.constexpr,
-                P_SHIFT: tl.constexpr, PART: tl.constexpr, DSS_IN: tl.constexpr):
+                P_SHIFT: tl.constexpr, PART: tl.constexpr, DSS_IN: tl.constexpr, FOLD: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -345,14 +347,19 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, D
         offs_m = start_m + tl.arange(0, BLOCK_M)
         st_f = col_f
         dpf = dp_f
+        r = 1.0
         if FP8:
             sq_t = _scale(SQ + start_m, ASM_SCALES)  # one quantization tile holds the whole 64-row query tile
             sdo_t = _scale(SDO + start_m, ASM_SCALES)
             st_f = col_f * sq_t
             dpf = dp_f * sdo_t
-        pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, q_row + start_m, offs_m,
-                                 offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8,
-                                 INTERP, TMA, LSE2_IN, P_SHIFT, PART)
+            if FOLD and PART != 1:  # dst comes out times r: r in dP's scale and delta (launch._dkdv_fold_ds_scale)
+                sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
+                r = (1.0 / (1 << P_SHIFT)) / sds
+                dpf = dpf * r
+        pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, r, sqn, sqd, sdon, sdod, q_row + start_m,
+                                 offs_m, offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW,
+                                 FP8, INTERP, TMA, LSE2_IN, P_SHIFT, PART, FOLD)
         if FP8:
             # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
             if PART != 2:
@@ -366,17 +373,21 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, D
                 dv = tl.dot(to_fp8(p256, False, INTERP), dot_, dv * (c_dv / cv))
                 c_dv = cv
             if PART != 1:
-                if DSS_IN:  # the dQ kernel's scale of this tile (launch._dkdv_ds_scales)
-                    sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
-                else:
-                    # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T itself
-                    amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
-                    sds = tile_scale(amax, FMAX, POW2)
-                r = (1.0 / (1 << P_SHIFT)) / sds  # multiply, not divide per element (see _dq_inner)
+                if not FOLD:
+                    if DSS_IN:  # the dQ kernel's scale of this tile (launch._dkdv_ds_scales)
+                        sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
+                    else:
+                        # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T
+                        amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
+                        sds = tile_scale(amax, FMAX, POW2)
+                    r = (1.0 / (1 << P_SHIFT)) / sds  # multiply, not divide per element (see _dq_inner)
                 ck = sds * sq_t
                 qt = _tile(QT, qt_row, q0 + start_m, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK,
                            TMA, True)
-                dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / ck))
+                ds_r = dst
+                if not FOLD:
+                    ds_r = dst * r
+                dk = tl.dot(to_fp8(ds_r, E5M2, INTERP), qt, dk * (c_dk / ck))
                 c_dk = ck
         else:
             if PART != 2:
@@ -408,6 +419,7 @@ def _bwd_dkdv_kernel(
     PART: tl.constexpr,  # 0: dK and dV; 1: dV only (no dP, no dS); 2: dK only (launch._dkdv_parts)
     DSS_IN: tl.constexpr,  # read each dS tile's scale from the dQ kernel's DSS instead of the tile's absmax
     DS_K: tl.constexpr,  # keys per dS tile (the block); BLOCK_N may be a divisor of it only with DSS_IN
+    FOLD: tl.constexpr,  # with DSS_IN: 1/sds folded into dP's scale and delta, not applied to each dS (FOLD_DS)
 ):
     pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh over B * Hkv; the heaviest key tiles (first) first
     pid_s = tl.program_id(2)
@@ -467,17 +479,17 @@ def _bwd_dkdv_kernel(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
         dk, dv, c_dk, c_dv = _dkdv_inner(
             dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f,
             sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN)
+            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m

@@ -14,11 +14,12 @@ from ._fp8 import INTERPRET
 # "fwd_head_group" / "dq_head_group" / "dkdv_head_group": heads handed out together (see _grid),
 # "dq_scale_after_sum": True / False (see _scale_after_sum), "dkdv_lse2" / "dkdv_p256": True / False (see
 # _dkdv_lse2, _dkdv_p_shift), "dkdv_split": True / False (see _dkdv_parts), "dkdv_ds_scales": True / False (see
-# _dkdv_ds_scales), "dkdv_block_n": the dK/dV kernel's key tile (see _dkdv_block_n)}.
+# _dkdv_ds_scales), "dkdv_block_n": the dK/dV kernel's key tile (see _dkdv_block_n), "dkdv_fold_ds_scale": True /
+# False (see _dkdv_fold_ds_scale)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
-              "dkdv_block_n"}
+              "dkdv_block_n", "dkdv_fold_ds_scale"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -140,6 +141,19 @@ def _dkdv_ds_scales(d: int, fp8: bool, gqa: bool = False) -> bool:
     DKDV_DS_SCALES_GQA_HEAD_DIMS, or TUNE["dkdv_ds_scales"])."""
     dims = DKDV_DS_SCALES_GQA_HEAD_DIMS if gqa else DKDV_DS_SCALES_HEAD_DIMS
     return fp8 and bool(TUNE.get("dkdv_ds_scales", d in dims))
+
+
+# Head dims at which the dK/dV kernel, given the dQ kernel's dS scale, folds 1/sds into dP's per-tile scale and
+# into delta (dS^T = P^T * (dP^T * (sdp / sds) - delta / sds)) instead of multiplying every dS by it: one FMUL per
+# score less for one per query column (the same dS up to fp32 rounding). Prepared in session 7 and not timed on
+# the H200 yet, so on nowhere by default.
+DKDV_FOLD_DS_SCALE_HEAD_DIMS = ()
+
+
+def _dkdv_fold_ds_scale(d: int, ds_scales: bool) -> bool:
+    """Whether the dK/dV kernel folds the dQ kernel's dS scale into dP's scale and delta (needs ds_scales;
+    DKDV_FOLD_DS_SCALE_HEAD_DIMS or TUNE["dkdv_fold_ds_scale"])."""
+    return ds_scales and bool(TUNE.get("dkdv_fold_ds_scale", d in DKDV_FOLD_DS_SCALE_HEAD_DIMS))
 
 
 # Keys per dK/dV program by head dim, where the dQ kernel's dS scales are read (_dkdv_ds_scales) and so a program
