@@ -282,8 +282,9 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, d_f, sqn, sqd, sdon, sdod, q_ro
             INTERP: tl.constexpr, TMA: tl.constexpr, LSE2_IN: tl.constexpr, P_SHIFT: tl.constexpr,
             PART: tl.constexpr, FOLD: tl.constexpr):
     """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m, both times 2^P_SHIFT (FOLD: dS^T
-    times d_f too, folded into dP's scale dp_f by the caller and into delta here); also the loaded q, dO. TMA: Q, DO are descriptors and q_row the tile's first row in them (see _tile). PART 1 (dV
-    only): no dS^T (P^T stands in for it) and, with FP8, no row-major dO (q stands in)."""
+    times d_f too, folded into dP's scale dp_f by the caller and into delta here); also the loaded q, dO. TMA:
+    Q, DO are descriptors and q_row the tile's first row in them (see _tile). PART 1 (dV only): no dS^T (P^T
+    stands in for it) and, with FP8, no row-major dO (q stands in)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     q = _tile(Q, q_row, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
@@ -419,7 +420,7 @@ def _bwd_dkdv_kernel(
     PART: tl.constexpr,  # 0: dK and dV; 1: dV only (no dP, no dS); 2: dK only (launch._dkdv_parts)
     DSS_IN: tl.constexpr,  # read each dS tile's scale from the dQ kernel's DSS instead of the tile's absmax
     DS_K: tl.constexpr,  # keys per dS tile (the block); BLOCK_N may be a divisor of it only with DSS_IN
-    FOLD: tl.constexpr,  # with DSS_IN: 1/sds folded into dP's scale and delta, not applied to each dS (FOLD_DS)
+    FOLD: tl.constexpr,  # with DSS_IN: 1/sds in dP's scale and delta, not on each dS (launch._dkdv_fold_ds_scale)
 ):
     pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh over B * Hkv; the heaviest key tiles (first) first
     pid_s = tl.program_id(2)
@@ -476,18 +477,18 @@ def _bwd_dkdv_kernel(
         DELTAg = DELTA + bh * N + q0
         DSSg = DSS + _dss_row(bh, q0, pid_s, dss_tq, BLOCK_M) * dss_tk + start_n // DS_K  # BLOCK_M: the tile's rows
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
+            qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
             TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
+            qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
             TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
         dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f,
-            sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
+            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
+            qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
             TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
     dk = dk * (c_dk * softmax_scale)
