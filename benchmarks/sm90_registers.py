@@ -164,7 +164,7 @@ def main():
         c = common(args.d, fp8, True)
         fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
         kv_n = K._dkdv_block_n(args.block, args.d, K._dkdv_ds_scales(args.d, fp8))
-        dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8, kv_n if kv_n < args.block else None)
+        dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8, kv_n, args.block)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
         wait = {k: dict(WAIT_MMA=K._wait_mma(k, args.d), ASM_SCALES=K._asm_scales(k, args.d))
                 for k in ("fwd", "dq", "dkdv")}

@@ -221,7 +221,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     else:
         doa = do
         sq = sk = sv = sdo = delta  # unused
-    dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8, kv_n if kv_n < T else None)
+    dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8, kv_n, T)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     common = dict(DQK=dqk, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
                   CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,

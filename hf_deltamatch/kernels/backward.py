@@ -355,6 +355,7 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, D
             st_f = col_f * sq_t
             dpf = dp_f * sdo_t
             if FOLD and PART != 1:  # dst comes out times r: r in dP's scale and delta (launch._dkdv_fold_ds_scale)
+                # (read here, before dS exists; without FOLD below, where the measured kernels read it)
                 sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
                 r = (1.0 / (1 << P_SHIFT)) / sds
                 dpf = dpf * r

@@ -215,9 +215,9 @@ def _maxnreg(kernel: str) -> dict:
     return {"maxnreg": cap} if cap else {}
 
 
-def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool, kv_n=None):
-    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages); kv_n: the dK/dV program's keys where fewer than
-    the block (_dkdv_block_n), 64 of them one warpgroup (4 warps)."""
+def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool, kv_n: int = 128, block: int = 128):
+    """(dq BLOCK_M, dq warps, dq stages, dkdv warps, dkdv stages); kv_n: the dK/dV program's keys
+    (_dkdv_block_n), 64 of them one warpgroup (4 warps) where fewer than the block."""
     d = max(dqk, dv)
     if d <= 64:  # H200 N=8192 causal D=64 (run 1956): dq (64, 4, 3) 2.558 ms vs (64, 4, 2) 2.896; dK/dV (8, 3)
         # 3.239 vs (8, 2) 3.781
@@ -229,6 +229,6 @@ def _bwd_launch_cfg(dqk: int, dv: int, fp8: bool, kv_n=None):
         # dK/dV split (_dkdv_parts) (8, 2) 2.467 vs (8, 1) 2.691; unsplit (8, 1) 9.983, (16, 1) 21.449 (1.9 KB
         # spills), (16, 2) 10.845. bf16: configs within the SM's 227 KB of shared memory (untimed)
         base = (128, 8, 1, 8, 2) if fp8 else (64, 8, 1, 8, 1)
-    if kv_n is not None and kv_n <= 64:
+    if kv_n < block and kv_n <= 64:
         base = (*base[:3], 4, base[4])
     return (*TUNE.get("dq", base[:3]), *TUNE.get("dkdv", base[3:]))
