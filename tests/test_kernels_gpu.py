@@ -203,6 +203,41 @@ def test_dkdv_lse2_and_p256():
         K.TUNE.clear()
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_dkdv_hopper_kernel(stages):
+    """The Gluon dK/dV kernel (backward_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)
+    and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
+    order differs), causal and full, D 64 and 128, GQA; dQ is untouched."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    K.TUNE.update(dkdv_hopper=True, dkdv_hopper_stages=stages)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+        _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
+    finally:
+        K.TUNE.clear()
+    for B, Hq, Hkv, N, D, causal in ((2, 4, 2, 2048, 128, True), (1, 4, 4, 1024, 128, False),
+                                     (1, 4, 4, 1024, 64, True)):
+        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=3)
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        f = K.forward(q, k, v, **kw)
+        grads = {}
+        for name, tune in (("triton", dict(dkdv_ds_scales=True)), ("gluon", dict(dkdv_hopper=True))):
+            K.TUNE.update(tune, dkdv_hopper_stages=stages)
+            try:
+                assert K._dkdv_hopper(D, fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=False, window=None,
+                                      n=N, m=N, device=q.device, lse2_in=True, p_shift=8) == (name == "gluon")
+                grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+            finally:
+                K.TUNE.clear()
+        errs = [_rel(a, b) for a, b in zip(grads["gluon"], grads["triton"])]
+        print("HOPPER vs TRITON", B, Hq, Hkv, N, D, causal, stages, errs)
+        assert torch.equal(grads["gluon"][0], grads["triton"][0])
+        assert errs[1] < 1e-3 and errs[2] < 1e-3, errs
+
+
 @pytest.mark.parametrize("dkdv", [(8, 1), (8, 2)])
 def test_head_dim_256_configs_and_split_dkdv(dkdv):
     """D > 128 with the launch configs timed in run 2137 and dK/dV split into a dV and a dK launch (TUNE

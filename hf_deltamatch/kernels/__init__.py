@@ -27,8 +27,8 @@ from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
-    _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts, _grid,
-    _use_tma, _wait_mma,
+    _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
+    _grid, _use_tma, _wait_mma, DKDV_HOPPER_STAGES,
 )
 from .quantize import quantize, token_major
 
@@ -197,7 +197,11 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
-    ds_scales = _dkdv_ds_scales(d, fp8, Hq != Hkv) and N > 0 and M > 0
+    hopper = _dkdv_hopper(d, fp8=fp8, e4m3=config.grad_format == "e4m3", dqk=dqk, dv=dv, block=T, varlen=varlen,
+                          window=window if causal else None, n=N, m=M, device=do.device, lse2_in=lse2_in,
+                          p_shift=p_shift) and all(t.is_contiguous() for t in (q8, k8, v8))
+    # the Gluon dK/dV kernel (backward_hopper) reads the dQ kernel's dS scales always
+    ds_scales = (_dkdv_ds_scales(d, fp8, Hq != Hkv) or hopper) and N > 0 and M > 0
     kv_n = _dkdv_block_n(T, d, ds_scales)
     # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
     # head: backward._dss_row's bound N // DS_TILE_Q + nseq. Ones: a tile the dQ kernel skips is all masked, and 1
@@ -260,6 +264,13 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
             qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
             doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
+        if hopper:
+            from .backward_hopper import KEYS_PER_PROGRAM, dkdv_hopper
+            grid, n_tiles, head_group = _grid("dkdv", M // KEYS_PER_PROGRAM, B * Hkv, nseq, bool(causal))
+            dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
+                        softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
+                        head_group=head_group, stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)))
+            return _ret()
         grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, kv_n), B * Hkv, nseq, bool(causal))
         for part in _dkdv_parts(d):
             _bwd_dkdv_kernel[grid](

@@ -15,11 +15,12 @@ from ._fp8 import INTERPRET
 # "dq_scale_after_sum": True / False (see _scale_after_sum), "dkdv_lse2" / "dkdv_p256": True / False (see
 # _dkdv_lse2, _dkdv_p_shift), "dkdv_split": True / False (see _dkdv_parts), "dkdv_ds_scales": True / False (see
 # _dkdv_ds_scales), "dkdv_block_n": the dK/dV kernel's key tile (see _dkdv_block_n), "dkdv_fold_ds_scale": True /
-# False (see _dkdv_fold_ds_scale)}.
+# False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
+# _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
-              "dkdv_block_n", "dkdv_fold_ds_scale"}
+              "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -172,6 +173,27 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
         raise ValueError(f"dkdv_block_n={bn} needs dkdv_ds_scales on and a divisor >= 16 of the block ({block}): a "
                          "program must hold whole dS tiles to find their scales itself")
     return bn
+
+
+# Head dims at which dK/dV comes from the Gluon kernel (backward_hopper.py: a TMA warp and two independent MMA
+# warpgroups, asynchronous wgmmas) wherever it applies (_dkdv_hopper). Prepared in session 8; on nowhere until
+# the H200 has timed it against _bwd_dkdv_kernel.
+DKDV_HOPPER_HEAD_DIMS = ()
+DKDV_HOPPER_STAGES = 2
+
+
+def _dkdv_hopper(d: int, *, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int,
+                 m: int, device, lse2_in: bool, p_shift: int) -> bool:
+    """Whether dK/dV comes from backward_hopper's Gluon kernel: DKDV_HOPPER_HEAD_DIMS or TUNE["dkdv_hopper"], and
+    the input is its case (fp8 e4m3, Dqk = Dv in 64/128, block 128, no varlen or window, N = M a multiple of 128,
+    an sm_90 GPU, Triton 3.6's Gluon API, the dQ kernel's LSE2 with P * 256)."""
+    if not TUNE.get("dkdv_hopper", d in DKDV_HOPPER_HEAD_DIMS) or INTERPRET:
+        return False
+    import torch
+    import triton
+    return (fp8 and e4m3 and dqk == dv and dqk in (64, 128) and block == 128 and not varlen and window is None
+            and n == m and n > 0 and n % 128 == 0 and lse2_in and p_shift == 8 and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0) and triton.__version__.startswith("3.6"))
 
 
 # How many heads each kernel's grid hands out together under a causal mask, tile-major within the group

@@ -1,0 +1,212 @@
+"""dK/dV on Hopper, written in Gluon: one TMA warp feeding two independent MMA warpgroups.
+
+The same contract and arithmetic as `_bwd_dkdv_kernel` (backward.py) with PART 0, DSS_IN, LSE2_IN and
+P_SHIFT = 8, for its common case only (launch._dkdv_hopper says when): fp8 e4m3, Dqk = Dv in (64, 128), no
+varlen, no window, N = M a multiple of 128, causal or full, any GQA group.
+
+Why a second dK/dV kernel: Triton compiles `_bwd_dkdv_kernel` into one stream in which both warpgroups meet
+at CTA barriers for every query tile and ptxas serializes its wgmmas (NOTES.md, lever 4); the softmax of one
+tile then never overlaps an MMA. Here
+  - a 1-warp partition (`_loader`) loads k, v once and then streams q8, q8^T, dO8, dO8^T tiles through a ring
+    of STAGES buffers with TMA, paced by mbarriers (ready: bytes landed; empty: both consumers done);
+  - two 4-warp partitions (`_mma_partition`) each own 64 of the program's 128 keys and never wait for each
+    other, so one's exp2/convert work runs while the other's wgmmas occupy the tensor cores;
+  - inside a warpgroup the wgmmas are asynchronous with explicit waits: dP^T runs under exp2(S^T), dV's MMA
+    under dS, and dK's under the next tile's S^T/dP^T issue.
+Per query tile of 64 rows (stage s), in one warpgroup (keys kb .. kb+63):
+    S^T = k8[kb] q8^T,  dP^T = v8[kb] dO8^T                  (async, fresh accumulators)
+    P^T * 256 = exp2(S^T * sk sq scale log2e - LSE2)         (LSE2 from the dQ kernel, 8 subtracted)
+    dV = dV * (c_dv / cv) + P8^T dO8                         (cv = sdo / 256: dv is kept in units of cv)
+    dS^T = P^T (dP^T * sv sdo - delta),  dK = dK * (c_dk / ck) + (dS^T / sds)8 q8   (ck = sds * sq)
+with sds the dQ kernel's scale of the tile (DSS): the values and roundings of `_bwd_dkdv_kernel`.
+Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dkdv_kernel` (tests/test_kernels_gpu.py).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+KEYS_PER_PROGRAM = 128  # the dS tile's keys (config.block): two warpgroups of 64
+BLOCK_N = gl.constexpr(KEYS_PER_PROGRAM)
+BLOCK_M = gl.constexpr(64)  # queries per tile (DS_TILE_Q)
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem,
+            kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q, N,
+            GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
+    for t in range(GROUPS * n_q):
+        g = t // n_q
+        m0 = lo + (t - g * n_q) * BLOCK_M
+        s = t % STAGES
+        # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 4 * q_desc.block_type.nbytes)
+        row = q_row0 + g * N + m0
+        col_row = t_row0 + g * HEAD_D
+        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s))
+        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s))
+        tma.async_copy_global_to_shared(qt_desc, [col_row, m0], bar, qt_smem.index(s))
+        tma.async_copy_global_to_shared(dot_desc, [col_row, m0], bar, dot_smem.index(s))
+
+
+@gluon.jit
+def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty,
+                   SQ, SDO, LSE2, DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale,
+                   bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
+                   WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 32])
+    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 32])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=4)
+    kb = n0 + WG * 64  # this warpgroup's first key
+    k_sub = k_smem.slice(WG * 64, 64)
+    v_sub = v_smem.slice(WG * 64, 64)
+    cols = gl.arange(0, BLOCK_M, gl.SliceLayout(0, s_layout))
+    keys = kb + gl.arange(0, 64, gl.SliceLayout(1, s_layout))
+    # S^T and dP^T are MMAs into fresh accumulators (use_acc=False) whose registers carry over from the last
+    # tile: zeros written into them every tile would be writes to a wgmma's registers while dK/dV's are in
+    # flight, which makes ptxas serialize every wgmma (C75xx)
+    s_acc = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+    dp_acc = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([64, HEAD_D], gl.float32, d_layout)
+    dv = gl.zeros([64, HEAD_D], gl.float32, d_layout)
+    c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of the last tile's scales (c_dk, c_dv)
+    c_dv = softmax_scale * 0.0 + 1.0
+    dss_col = n0 // BLOCK_N
+    mbarrier.wait(kv_bar, 0)
+    for t in range(GROUPS * n_q):
+        g = t // n_q
+        i = t - g * n_q
+        m0 = lo + i * BLOCK_M
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+        dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+        bh = bh0 + g
+        row = bh * N + m0
+        sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
+        sdo_t = gl.load(SDO + row)
+        sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
+        lse2 = gl.load(LSE2 + row + cols)
+        delta = gl.load(DELTA + row + cols)
+        # in-order completion: S^T done means the previous tile's dV and dK MMAs are too, so their accumulators
+        # may be rescaled and the previous stage's buffers handed back to the loader
+        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
+        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=t > 0)
+        st = s_acc * (col_f * sq_t)
+        if CAUSAL:
+            if i < 2:  # the two query tiles that cross this program's diagonal (N = M: top-left = bottom-right)
+                st = gl.where(keys[:, None] <= (m0 + cols)[None, :], st, float("-inf"))
+        p256 = gl.exp2(st - lse2[None, :])  # P^T * 256: the static scale is in LSE2
+        cv = sdo_t * (1.0 / 256.0)
+        dv = dv * (c_dv / cv)
+        c_dv = cv
+        p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
+        dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+        dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA may still run
+        dst = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :])  # dS^T * 256
+        ck = sds * sq_t
+        dk = dk * (c_dk / ck)
+        c_dk = ck
+        ds8 = gl.convert_layout((dst * ((1.0 / 256.0) / sds)).to(gl.float8e4nv), a_layout)
+        dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    dk = dk * (c_dk * softmax_scale)
+    dv = dv * c_dv
+    rows = out_row + kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
+    dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
+    offs = rows.to(gl.int64)[:, None] * HEAD_D + dcols[None, :]
+    gl.store(DK + offs, dk.to(DK.dtype.element_ty))
+    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+
+
+@gluon.jit
+def _bwd_dkdv_hopper_kernel(
+    k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, SQ, SK, SV, SDO, LSE2, DELTA, DSS, DK, DV,
+    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
+    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+):
+    # grid order as backward._bwd_dkdv_kernel (forward._grid_ids): head groups, tile-major inside a group,
+    # the heaviest (first, under causal) key tiles first
+    pid = gl.program_id(0)
+    heads = gl.num_programs(0) // n_tiles
+    g0 = (pid // (head_group * n_tiles)) * head_group
+    size = gl.minimum(head_group, heads - g0)
+    within = pid - g0 * n_tiles
+    pid_n = within // size
+    pid_bh = g0 + within % size  # b * Hkv + hk
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    n0 = pid_n * BLOCK_N
+    kv_row = pid_bh * N + n0  # rows of the (B*Hkv*M, D) views of k8, v8, dK, dV
+    bh0 = b * Hq + hk * GROUPS  # the group's first query head
+    lo = n0 * 0
+    if CAUSAL:
+        lo = n0
+    n_q = (N - lo) // BLOCK_M
+    col_f = softmax_scale * 1.4426950408889634 * gl.load(SK + kv_row)
+    dp_f = gl.load(SV + kv_row)
+
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
+    dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrive per MMA warpgroup
+
+    gl.warp_specialize([
+        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty, SQ, SDO, LSE2,
+                          DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
+                          pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL)),
+        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty, SQ, SDO, LSE2,
+                          DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
+                          pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL)),
+        (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q_smem, qt_smem, do_smem,
+                   dot_smem, kv_bar, ready, empty, kv_row, bh0 * N, bh0 * HEAD_D, lo, n_q, N,
+                   GROUPS, HEAD_D, STAGES)),
+    ], [4, 1], [240, 24])
+
+
+def _layout(block):
+    return gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+
+
+def _desc(x, block):
+    """Gluon TMA descriptor over the 2-D view of x (B, H, N, D): (B*H*N, D) rows for a contiguous x, (B*H*D, N)
+    for a token-major one (kernels.quantize.token_major: (B, H, D, N16) storage)."""
+    B, H, N, D = x.shape
+    if x.stride(2) == 1:
+        return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], block, _layout(block))
+    return TensorDescriptor(x, [B * H * N, D], [D, 1], block, _layout(block))
+
+
+def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages):
+    """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper)."""
+    B, Hq, N, D = q8.shape
+    Hkv = k8.shape[1]
+    _bwd_dkdv_hopper_kernel[grid](
+        _desc(k8, [BLOCK_N, D]), _desc(v8, [BLOCK_N, D]), _desc(q8, [BLOCK_M, D]), _desc(q8t, [D, BLOCK_M]),
+        _desc(do8, [BLOCK_M, D]), _desc(do8t, [D, BLOCK_M]), sq, sk, sv, sdo, lse2, delta, dss, dk, dv,
+        Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), num_warps=4,
+    )
+
