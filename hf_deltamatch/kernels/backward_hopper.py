@@ -11,8 +11,9 @@ tile then never overlaps an MMA. Here
     of STAGES buffers with TMA, paced by mbarriers (ready: bytes landed; empty: both consumers done);
   - two 4-warp partitions (`_mma_partition`) each own 64 of the program's 128 keys and never wait for each
     other, so one's exp2/convert work runs while the other's wgmmas occupy the tensor cores;
-  - inside a warpgroup the wgmmas are asynchronous with explicit waits: dP^T runs under exp2(S^T), dV's MMA
-    under dS, and dK's under the next tile's S^T/dP^T issue.
+  - inside a warpgroup the wgmmas are asynchronous with explicit waits: dP^T's MMA runs under exp2(S^T) and
+    dV's under dS; dK's is waited for at the end of the tile (left in flight into the next tile, ptxas
+    serializes every wgmma of the kernel), when the other warpgroup may have MMAs to issue.
 Per query tile of 64 rows (stage s), in one warpgroup (keys kb .. kb+63):
     S^T = k8[kb] q8^T,  dP^T = v8[kb] dO8^T                  (async, fresh accumulators)
     P^T * 256 = exp2(S^T * sk sq scale log2e - LSE2)         (LSE2 from the dQ kernel, 8 subtracted)
@@ -73,9 +74,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, r
     v_sub = v_smem.slice(WG * 64, 64)
     cols = gl.arange(0, BLOCK_M, gl.SliceLayout(0, s_layout))
     keys = kb + gl.arange(0, 64, gl.SliceLayout(1, s_layout))
-    # S^T and dP^T are MMAs into fresh accumulators (use_acc=False) whose registers carry over from the last
-    # tile: zeros written into them every tile would be writes to a wgmma's registers while dK/dV's are in
-    # flight, which makes ptxas serialize every wgmma (C75xx)
+    # S^T and dP^T are MMAs into fresh accumulators (use_acc=False) in registers carried from tile to tile, so
+    # that no zero fill is needed per tile
     s_acc = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
     dp_acc = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
     dk = gl.zeros([64, HEAD_D], gl.float32, d_layout)
@@ -99,10 +99,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, r
         sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
         lse2 = gl.load(LSE2 + row + cols)
         delta = gl.load(DELTA + row + cols)
-        # in-order completion: S^T done means the previous tile's dV and dK MMAs are too, so their accumulators
-        # may be rescaled and the previous stage's buffers handed back to the loader
-        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
-        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), pred=t > 0)
+        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
         st = s_acc * (col_f * sq_t)
         if CAUSAL:
             if i < 2:  # the two query tiles that cross this program's diagonal (N = M: top-left = bottom-right)
@@ -120,8 +117,10 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, r
         c_dk = ck
         ds8 = gl.convert_layout((dst * ((1.0 / 256.0) / sds)).to(gl.float8e4nv), a_layout)
         dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+        # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
+        # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(empty.index(s))  # this stage's q, dO tiles and their transposes are read
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     rows = out_row + kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
