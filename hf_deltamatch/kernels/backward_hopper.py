@@ -32,7 +32,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 KEYS_PER_PROGRAM = 128  # the dS tile's keys (config.block): two warpgroups of 64
 BLOCK_N = gl.constexpr(KEYS_PER_PROGRAM)
-BLOCK_M = gl.constexpr(64)  # queries per tile (DS_TILE_Q)
+QUERIES_PER_TILE = 64  # DS_TILE_Q
+BLOCK_M = gl.constexpr(QUERIES_PER_TILE)
 
 
 @gluon.jit
@@ -203,8 +204,9 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     _bwd_dkdv_hopper_kernel[grid](
-        _desc(k8, [BLOCK_N, D]), _desc(v8, [BLOCK_N, D]), _desc(q8, [BLOCK_M, D]), _desc(q8t, [D, BLOCK_M]),
-        _desc(do8, [BLOCK_M, D]), _desc(do8t, [D, BLOCK_M]), sq, sk, sv, sdo, lse2, delta, dss, dk, dv,
+        _desc(k8, [KEYS_PER_PROGRAM, D]), _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(q8, [QUERIES_PER_TILE, D]),
+        _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
+        sq, sk, sv, sdo, lse2, delta, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), num_warps=4,
     )
