@@ -82,12 +82,34 @@ def strides(fn, constexprs):
     return unit, [a for a in names if a not in unit]
 
 
+def hopper_signature(d):
+    """(signature, attrs) of backward_hopper's Gluon kernel: descriptors with their boxes and shared layouts."""
+    from hf_deltamatch.kernels import backward_hopper as H
+
+    def desc(rows, cols):
+        return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout([rows, cols])!r}>"
+    n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
+    fn = H._bwd_dkdv_hopper_kernel
+    sig = {"k_desc": desc(n, d), "v_desc": desc(n, d), "q_desc": desc(m, d), "do_desc": desc(m, d),
+           "qt_desc": desc(d, m), "dot_desc": desc(d, m), "DK": "*bf16", "DV": "*bf16", "softmax_scale": "fp32",
+           **{a: "*fp32" for a in ("SQ", "SK", "SV", "SDO", "LSE2", "DELTA", "DSS")},
+           **{a: "constexpr" for a in ("GROUPS", "HEAD_D", "STAGES", "CAUSAL")}}
+    sig.update({a: "i32" for a in fn.arg_names if a not in sig})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a][0] == "*" or a == "N"}
+    return sig, attrs
+
+
 def usage(fn, constexprs, warps, stages, maxnreg=None):
-    sig, attrs = signature(fn, constexprs)
-    for name in strides(fn, constexprs)[0]:  # Triton specializes 1-valued ints as constants
-        sig[name] = "constexpr"
-        constexprs = {**constexprs, name: 1}
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    if fn.__name__ == "_bwd_dkdv_hopper_kernel":
+        from triton.experimental.gluon._runtime import GluonASTSource
+        sig, attrs = hopper_signature(constexprs["HEAD_D"])
+        src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    else:
+        sig, attrs = signature(fn, constexprs)
+        for name in strides(fn, constexprs)[0]:  # Triton specializes 1-valued ints as constants
+            sig[name] = "constexpr"
+            constexprs = {**constexprs, name: 1}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -185,6 +207,11 @@ def main():
                                             BLOCK_N=kv_n, DS_K=args.block,
                                             TMA=K._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
         }
+        if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (backward_hopper.py): 4 warps + workers
+            from hf_deltamatch.kernels.backward_hopper import _bwd_dkdv_hopper_kernel
+            jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(
+                GROUPS=1, HEAD_D=args.d, CAUSAL=True,
+                STAGES=int(K.TUNE.get("dkdv_hopper_stages", K.DKDV_HOPPER_STAGES))), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))
