@@ -209,9 +209,9 @@ def main():
         }
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (backward_hopper.py): 4 warps + workers
             from hf_deltamatch.kernels.backward_hopper import _bwd_dkdv_hopper_kernel
-            jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(
-                GROUPS=1, HEAD_D=args.d, CAUSAL=True,
-                STAGES=int(K.TUNE.get("dkdv_hopper_stages", K.DKDV_HOPPER_STAGES))), 4, 1)
+            cfg = K._dkdv_hopper_cfg()
+            jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=cfg["stages"],
+                                                            FOLD=cfg["fold"], UNROLL=cfg["unroll"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))

@@ -28,7 +28,7 @@ from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
     _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
-    _grid, _use_tma, _wait_mma, DKDV_HOPPER_STAGES,
+    _dkdv_hopper_cfg, _grid, _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
 
@@ -269,7 +269,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             grid, n_tiles, head_group = _grid("dkdv", M // KEYS_PER_PROGRAM, B * Hkv, nseq, bool(causal))
             dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
-                        head_group=head_group, stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)))
+                        head_group=head_group, **_dkdv_hopper_cfg())
             return _ret()
         grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, kv_n), B * Hkv, nseq, bool(causal))
         for part in _dkdv_parts(d):

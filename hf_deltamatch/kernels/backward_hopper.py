@@ -60,11 +60,65 @@ def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, 
 
 
 @gluon.jit
+def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, ready, empty,
+          SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
+          a_layout: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
+          SECOND: gl.constexpr):
+    """One 64-query tile t of one warpgroup. SECOND=False (the first tile of a pair, UNROLL=2) leaves its dV and
+    dK MMAs in flight into the next tile, which retires them with its S^T; SECOND=True waits for them at the end
+    of the tile and hands its stage back (nothing may stay in flight across the loop's back edge: ptxas then
+    serializes every wgmma of the kernel, sm_90, Triton 3.6)."""
+    g = t // n_q
+    i = t - g * n_q
+    m0 = lo + i * BLOCK_M
+    s = t % STAGES
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+    dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+    bh = bh0 + g
+    row = bh * N + m0
+    sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
+    sdo_t = gl.load(SDO + row)
+    sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
+    lse2 = gl.load(LSE2 + row + cols)
+    delta = gl.load(DELTA + row + cols)
+    # S^T done (and, in order, the previous tile's dV and dK); dP^T's MMA runs under the exponentials
+    s_acc, dk, dv = warpgroup_mma_wait(1, deps=(s_acc, dk, dv))
+    if SECOND:
+        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES))  # the pair's first tile's stage is read
+    st = s_acc * (col_f * sq_t)
+    if CAUSAL:
+        if i < 2:  # the two query tiles that cross this program's diagonal (N = M: top-left = bottom-right)
+            st = gl.where(keys[:, None] <= (m0 + cols)[None, :], st, float("-inf"))
+    p256 = gl.exp2(st - lse2[None, :])  # P^T * 256: the static scale is in LSE2
+    cv = sdo_t * (1.0 / 256.0)
+    dv = dv * (c_dv / cv)
+    c_dv = cv
+    p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
+    dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+    dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA may still run
+    ck = sds * sq_t
+    dk = dk * (c_dk / ck)
+    c_dk = ck
+    r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
+    if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
+        ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
+    else:
+        ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
+    ds8 = gl.convert_layout(ds_r.to(gl.float8e4nv), a_layout)
+    dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+    if SECOND:
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(empty.index(s))  # this stage's q, dO tiles and their transposes are read
+    return dk, dv, c_dk, c_dv, s_acc, dp_acc
+
+
+@gluon.jit
 def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty,
                    SQ, SDO, LSE2, DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale,
                    bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr):
+                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, UNROLL: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 32])
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -85,43 +139,17 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, r
     c_dv = softmax_scale * 0.0 + 1.0
     dss_col = n0 // BLOCK_N
     mbarrier.wait(kv_bar, 0)
-    for t in range(GROUPS * n_q):
-        g = t // n_q
-        i = t - g * n_q
-        m0 = lo + i * BLOCK_M
-        s = t % STAGES
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-        dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
-        bh = bh0 + g
-        row = bh * N + m0
-        sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
-        sdo_t = gl.load(SDO + row)
-        sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
-        lse2 = gl.load(LSE2 + row + cols)
-        delta = gl.load(DELTA + row + cols)
-        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
-        st = s_acc * (col_f * sq_t)
-        if CAUSAL:
-            if i < 2:  # the two query tiles that cross this program's diagonal (N = M: top-left = bottom-right)
-                st = gl.where(keys[:, None] <= (m0 + cols)[None, :], st, float("-inf"))
-        p256 = gl.exp2(st - lse2[None, :])  # P^T * 256: the static scale is in LSE2
-        cv = sdo_t * (1.0 / 256.0)
-        dv = dv * (c_dv / cv)
-        c_dv = cv
-        p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
-        dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
-        dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA may still run
-        dst = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :])  # dS^T * 256
-        ck = sds * sq_t
-        dk = dk * (c_dk / ck)
-        c_dk = ck
-        ds8 = gl.convert_layout((dst * ((1.0 / 256.0) / sds)).to(gl.float8e4nv), a_layout)
-        dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
-        # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
-        # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6)
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        mbarrier.arrive(empty.index(s))  # this stage's q, dO tiles and their transposes are read
+    # n_q is even (N and the program's first key are multiples of 128), so pairs of tiles never straddle heads
+    for t in range(0, GROUPS * n_q, UNROLL):
+        if UNROLL == 2:
+            dk, dv, c_dk, c_dv, s_acc, dp_acc = _tile(
+                t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, ready,
+                empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
+                a_layout, STAGES, CAUSAL, FOLD, False)
+        dk, dv, c_dk, c_dv, s_acc, dp_acc = _tile(
+            t + UNROLL - 1, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem,
+            ready, empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk,
+            dss_col, a_layout, STAGES, CAUSAL, FOLD, True)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     rows = out_row + kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
@@ -135,7 +163,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, r
 def _bwd_dkdv_hopper_kernel(
     k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, SQ, SK, SV, SDO, LSE2, DELTA, DSS, DK, DV,
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
-    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
+    UNROLL: gl.constexpr,
 ):
     # grid order as backward._bwd_dkdv_kernel (forward._grid_ids): head groups, tile-major inside a group,
     # the heaviest (first, under causal) key tiles first
@@ -175,10 +204,10 @@ def _bwd_dkdv_hopper_kernel(
     gl.warp_specialize([
         (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty, SQ, SDO, LSE2,
                           DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
-                          pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL)),
+                          pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL)),
         (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty, SQ, SDO, LSE2,
                           DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
-                          pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL)),
+                          pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL)),
         (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q_smem, qt_smem, do_smem,
                    dot_smem, kv_bar, ready, empty, kv_row, bh0 * N, bh0 * HEAD_D, lo, n_q, N,
                    GROUPS, HEAD_D, STAGES)),
@@ -199,7 +228,7 @@ def _desc(x, block):
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
-                dss_tq, dss_tk, grid, n_tiles, head_group, stages):
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, unroll):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper)."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
@@ -208,6 +237,6 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
         sq, sk, sv, sdo, lse2, delta, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), num_warps=4,
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, UNROLL=unroll, num_warps=4,
     )
 
