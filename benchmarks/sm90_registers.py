@@ -90,10 +90,9 @@ def hopper_signature(d):
         return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout([rows, cols])!r}>"
     n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
     fn = H._bwd_dkdv_hopper_kernel
-    rows = f"tensordesc<fp32[{m}],{H.ROW_LAYOUT!r}>"
     sig = {"k_desc": desc(n, d), "v_desc": desc(n, d), "q_desc": desc(m, d), "do_desc": desc(m, d),
-           "qt_desc": desc(d, m), "dot_desc": desc(d, m), "lse_desc": rows, "delta_desc": rows, "DK": "*bf16",
-           "DV": "*bf16", "softmax_scale": "fp32", **{a: "*fp32" for a in ("SQ", "SK", "SV", "SDO", "DSS")},
+           "qt_desc": desc(d, m), "dot_desc": desc(d, m), "DK": "*bf16", "DV": "*bf16", "softmax_scale": "fp32",
+           **{a: "*fp32" for a in ("SQ", "SK", "SV", "SDO", "LSE2", "DELTA", "DSS")},
            **{a: "constexpr" for a in ("GROUPS", "HEAD_D", "STAGES", "CAUSAL")}}
     sig.update({a: "i32" for a in fn.arg_names if a not in sig})
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a][0] == "*" or a == "N"}

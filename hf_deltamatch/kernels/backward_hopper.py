@@ -37,8 +37,8 @@ BLOCK_M = gl.constexpr(QUERIES_PER_TILE)
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
-            qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q, N,
+def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem,
+            kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q, N,
             GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
@@ -50,20 +50,18 @@ def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(s)
-        mbarrier.expect(bar, 4 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+        mbarrier.expect(bar, 4 * q_desc.block_type.nbytes)
         row = q_row0 + g * N + m0
         col_row = t_row0 + g * HEAD_D
         tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s))
         tma.async_copy_global_to_shared(qt_desc, [col_row, m0], bar, qt_smem.index(s))
         tma.async_copy_global_to_shared(dot_desc, [col_row, m0], bar, dot_smem.index(s))
-        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(s))
-        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(s))
 
 
 @gluon.jit
-def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
-          delta_smem, ready, empty, SQ, SDO, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
+def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, ready, empty,
+          SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
           a_layout: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
           SECOND: gl.constexpr):
     """One 64-query tile t of one warpgroup. SECOND=False (the first tile of a pair, UNROLL=2) leaves its dV and
@@ -82,12 +80,13 @@ def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, d
     sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
     sdo_t = gl.load(SDO + row)
     sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
+    lse2 = gl.load(LSE2 + row + cols)
+    delta = gl.load(DELTA + row + cols)
     # S^T done (and, in order, the previous tile's dV and dK); dP^T's MMA runs under the exponentials
     s_acc, dk, dv = warpgroup_mma_wait(1, deps=(s_acc, dk, dv))
     if SECOND:
         mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES))  # the pair's first tile's stage is read
     st = s_acc * (col_f * sq_t)
-    lse2 = lse_smem.index(s).load(cols.type.layout)  # LSE2 and delta come with the tile (TMA), read when needed
     if CAUSAL:
         if i < 2:  # the two query tiles that cross this program's diagonal (N = M: top-left = bottom-right)
             st = gl.where(keys[:, None] <= (m0 + cols)[None, :], st, float("-inf"))
@@ -102,7 +101,6 @@ def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, d
     dk = dk * (c_dk / ck)
     c_dk = ck
     r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
-    delta = delta_smem.index(s).load(cols.type.layout)
     if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
         ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
     else:
@@ -116,8 +114,8 @@ def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, d
 
 
 @gluon.jit
-def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
-                   SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale,
+def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty,
+                   SQ, SDO, LSE2, DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale,
                    bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, FOLD: gl.constexpr, UNROLL: gl.constexpr):
@@ -145,12 +143,12 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     for t in range(0, GROUPS * n_q, UNROLL):
         if UNROLL == 2:
             dk, dv, c_dk, c_dv, s_acc, dp_acc = _tile(
-                t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
-                delta_smem, ready, empty, SQ, SDO, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
+                t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, ready,
+                empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
                 a_layout, STAGES, CAUSAL, FOLD, False)
         dk, dv, c_dk, c_dv, s_acc, dp_acc = _tile(
             t + UNROLL - 1, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem,
-            lse_smem, delta_smem, ready, empty, SQ, SDO, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk,
+            ready, empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk,
             dss_col, a_layout, STAGES, CAUSAL, FOLD, True)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
@@ -163,7 +161,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
 
 @gluon.jit
 def _bwd_dkdv_hopper_kernel(
-    k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
+    k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, SQ, SK, SV, SDO, LSE2, DELTA, DSS, DK, DV,
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
     UNROLL: gl.constexpr,
@@ -195,9 +193,6 @@ def _bwd_dkdv_hopper_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
     dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
-    lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(delta_desc.dtype, [STAGES] + delta_desc.block_type.shape,
-                                           delta_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -207,28 +202,20 @@ def _bwd_dkdv_hopper_kernel(
         mbarrier.init(empty.index(s), count=2)  # one arrive per MMA warpgroup
 
     gl.warp_specialize([
-        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
-                          empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
+        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty, SQ, SDO, LSE2,
+                          DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
                           pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL)),
-        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
-                          empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
+        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty, SQ, SDO, LSE2,
+                          DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
                           pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL)),
-        (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
-                   qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N, bh0 * HEAD_D, lo, n_q, N,
+        (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q_smem, qt_smem, do_smem,
+                   dot_smem, kv_bar, ready, empty, kv_row, bh0 * N, bh0 * HEAD_D, lo, n_q, N,
                    GROUPS, HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
 
 
 def _layout(block):
     return gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-
-
-ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-
-
-def _row_desc(x):
-    """1-D TMA descriptor over the (B, H, N) fp32 row values x (LSE2, delta), boxes of one query tile."""
-    return TensorDescriptor(x.view(-1), [x.numel()], [1], [QUERIES_PER_TILE], ROW_LAYOUT)
 
 
 def _desc(x, block):
@@ -248,7 +235,7 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
     _bwd_dkdv_hopper_kernel[grid](
         _desc(k8, [KEYS_PER_PROGRAM, D]), _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(q8, [QUERIES_PER_TILE, D]),
         _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
-        _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
+        sq, sk, sv, sdo, lse2, delta, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, UNROLL=unroll, num_warps=4,
     )
