@@ -203,15 +203,19 @@ def test_dkdv_lse2_and_p256():
         K.TUNE.clear()
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_dkdv_hopper_kernel(stages):
+@pytest.mark.parametrize("stages,fold,unroll,rows_tma", [(2, False, 1, False), (3, True, 2, False), (2, False, 1, True),
+                                                     (3, True, 2, True)],
+                         ids=["s2", "s3-fold-unroll2", "s2-rows", "s3-fold-unroll2-rows"])
+def test_dkdv_hopper_kernel(stages, fold, unroll, rows_tma):
     """The Gluon dK/dV kernel (backward_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)
     and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
     order differs), causal and full, D 64 and 128, GQA; dQ is untouched."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    K.TUNE.update(dkdv_hopper=True, dkdv_hopper_stages=stages)
+    opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_fold=fold, dkdv_hopper_unroll=unroll,
+                dkdv_hopper_rows_tma=rows_tma)
+    K.TUNE.update(dkdv_hopper=True, **opts)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
@@ -225,7 +229,7 @@ def test_dkdv_hopper_kernel(stages):
         f = K.forward(q, k, v, **kw)
         grads = {}
         for name, tune in (("triton", dict(dkdv_ds_scales=True)), ("gluon", dict(dkdv_hopper=True))):
-            K.TUNE.update(tune, dkdv_hopper_stages=stages)
+            K.TUNE.update(tune, **opts)
             try:
                 assert K._dkdv_hopper(D, fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=False, window=None,
                                       n=N, m=N, device=q.device, lse2_in=True, p_shift=8) == (name == "gluon")
@@ -233,7 +237,7 @@ def test_dkdv_hopper_kernel(stages):
             finally:
                 K.TUNE.clear()
         errs = [_rel(a, b) for a, b in zip(grads["gluon"], grads["triton"])]
-        print("HOPPER vs TRITON", B, Hq, Hkv, N, D, causal, stages, errs)
+        print("HOPPER vs TRITON", B, Hq, Hkv, N, D, causal, opts, errs)
         assert torch.equal(grads["gluon"][0], grads["triton"][0])
         assert errs[1] < 1e-3 and errs[2] < 1e-3, errs
 

@@ -34,12 +34,13 @@ KEYS_PER_PROGRAM = 128  # the dS tile's keys (config.block): two warpgroups of 6
 BLOCK_N = gl.constexpr(KEYS_PER_PROGRAM)
 QUERIES_PER_TILE = 64  # DS_TILE_Q
 BLOCK_M = gl.constexpr(QUERIES_PER_TILE)
+ROW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem,
-            kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q, N,
-            GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, LSE2, DELTA, k_smem, v_smem, q_smem, qt_smem,
+            do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q, N,
+            GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, ROWS_TMA: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
@@ -50,24 +51,31 @@ def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, 
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(s)
-        mbarrier.expect(bar, 4 * q_desc.block_type.nbytes)
+        if ROWS_TMA:
+            mbarrier.expect(bar, 4 * q_desc.block_type.nbytes + 2 * LSE2.block_type.nbytes)
+        else:
+            mbarrier.expect(bar, 4 * q_desc.block_type.nbytes)
         row = q_row0 + g * N + m0
         col_row = t_row0 + g * HEAD_D
         tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s))
         tma.async_copy_global_to_shared(qt_desc, [col_row, m0], bar, qt_smem.index(s))
         tma.async_copy_global_to_shared(dot_desc, [col_row, m0], bar, dot_smem.index(s))
+        if ROWS_TMA:
+            tma.async_copy_global_to_shared(LSE2, [row], bar, lse_smem.index(s))
+            tma.async_copy_global_to_shared(DELTA, [row], bar, delta_smem.index(s))
 
 
 @gluon.jit
-def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, ready, empty,
-          SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
-          a_layout: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
-          SECOND: gl.constexpr):
-    """One 64-query tile t of one warpgroup. SECOND=False (the first tile of a pair, UNROLL=2) leaves its dV and
-    dK MMAs in flight into the next tile, which retires them with its S^T; SECOND=True waits for them at the end
-    of the tile and hands its stage back (nothing may stay in flight across the loop's back edge: ptxas then
-    serializes every wgmma of the kernel, sm_90, Triton 3.6)."""
+def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
+          delta_smem, ready, empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq,
+          dss_tk, dss_col, a_layout: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
+          ROWS_TMA: gl.constexpr,
+          FOLLOWS: gl.constexpr, WAITS: gl.constexpr):
+    """One 64-query tile t of one warpgroup. WAITS: wait for the tile's dV and dK MMAs at its end and hand its
+    stage back; else (the first tile of a pair, UNROLL=2) they stay in flight into the next tile, which retires
+    them with its S^T and then hands their stage back (FOLLOWS). Nothing may stay in flight across the loop's
+    back edge: ptxas then serializes every wgmma of the kernel (sm_90, Triton 3.6)."""
     g = t // n_q
     i = t - g * n_q
     m0 = lo + i * BLOCK_M
@@ -80,13 +88,16 @@ def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, d
     sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
     sdo_t = gl.load(SDO + row)
     sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
-    lse2 = gl.load(LSE2 + row + cols)
-    delta = gl.load(DELTA + row + cols)
+    if not ROWS_TMA:
+        lse2 = gl.load(LSE2 + row + cols)
+        delta = gl.load(DELTA + row + cols)
     # S^T done (and, in order, the previous tile's dV and dK); dP^T's MMA runs under the exponentials
     s_acc, dk, dv = warpgroup_mma_wait(1, deps=(s_acc, dk, dv))
-    if SECOND:
+    if FOLLOWS:
         mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES))  # the pair's first tile's stage is read
     st = s_acc * (col_f * sq_t)
+    if ROWS_TMA:  # LSE2 and delta came with the tile: read when needed, not held in registers across the waits
+        lse2 = lse_smem.index(s).load(cols.type.layout)
     if CAUSAL:
         if i < 2:  # the two query tiles that cross this program's diagonal (N = M: top-left = bottom-right)
             st = gl.where(keys[:, None] <= (m0 + cols)[None, :], st, float("-inf"))
@@ -101,24 +112,26 @@ def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, d
     dk = dk * (c_dk / ck)
     c_dk = ck
     r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
+    if ROWS_TMA:
+        delta = delta_smem.index(s).load(cols.type.layout)
     if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
         ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
     else:
         ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
     ds8 = gl.convert_layout(ds_r.to(gl.float8e4nv), a_layout)
     dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
-    if SECOND:
+    if WAITS:
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(empty.index(s))  # this stage's q, dO tiles and their transposes are read
     return dk, dv, c_dk, c_dv, s_acc, dp_acc
 
 
 @gluon.jit
-def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty,
+def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
                    SQ, SDO, LSE2, DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale,
                    bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, UNROLL: gl.constexpr):
+                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, UNROLL: gl.constexpr, ROWS_TMA: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 32])
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -143,13 +156,13 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, r
     for t in range(0, GROUPS * n_q, UNROLL):
         if UNROLL == 2:
             dk, dv, c_dk, c_dv, s_acc, dp_acc = _tile(
-                t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, ready,
-                empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
-                a_layout, STAGES, CAUSAL, FOLD, False)
+                t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
+                delta_smem, ready, empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq,
+                dss_tk, dss_col, a_layout, STAGES, CAUSAL, FOLD, ROWS_TMA, False, False)
         dk, dv, c_dk, c_dv, s_acc, dp_acc = _tile(
             t + UNROLL - 1, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem,
-            ready, empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq, dss_tk,
-            dss_col, a_layout, STAGES, CAUSAL, FOLD, True)
+            lse_smem, delta_smem, ready, empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N,
+            dss_tq, dss_tk, dss_col, a_layout, STAGES, CAUSAL, FOLD, ROWS_TMA, UNROLL == 2, True)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     rows = out_row + kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
@@ -164,7 +177,7 @@ def _bwd_dkdv_hopper_kernel(
     k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, SQ, SK, SV, SDO, LSE2, DELTA, DSS, DK, DV,
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
-    UNROLL: gl.constexpr,
+    UNROLL: gl.constexpr, ROWS_TMA: gl.constexpr,  # LSE2, DELTA: 1-D TMA descriptors (else pointers)
 ):
     # grid order as backward._bwd_dkdv_kernel (forward._grid_ids): head groups, tile-major inside a group,
     # the heaviest (first, under causal) key tiles first
@@ -193,6 +206,8 @@ def _bwd_dkdv_hopper_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
     dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)  # unused without ROWS_TMA
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -202,20 +217,25 @@ def _bwd_dkdv_hopper_kernel(
         mbarrier.init(empty.index(s), count=2)  # one arrive per MMA warpgroup
 
     gl.warp_specialize([
-        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty, SQ, SDO, LSE2,
-                          DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
-                          pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL)),
-        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, kv_bar, ready, empty, SQ, SDO, LSE2,
-                          DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
-                          pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL)),
-        (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, k_smem, v_smem, q_smem, qt_smem, do_smem,
-                   dot_smem, kv_bar, ready, empty, kv_row, bh0 * N, bh0 * HEAD_D, lo, n_q, N,
-                   GROUPS, HEAD_D, STAGES)),
+        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
+                          empty, SQ, SDO, LSE2, DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
+                          dss_tq, dss_tk, pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL, ROWS_TMA)),
+        (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
+                          empty, SQ, SDO, LSE2, DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
+                          dss_tq, dss_tk, pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL, ROWS_TMA)),
+        (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, LSE2, DELTA, k_smem, v_smem, q_smem, qt_smem,
+                   do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N, bh0 * HEAD_D, lo,
+                   n_q, N, GROUPS, HEAD_D, STAGES, ROWS_TMA)),
     ], [4, 1], [240, 24])
 
 
 def _layout(block):
     return gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+
+
+def _row_desc(x):
+    """1-D TMA descriptor over the (B, H, N) fp32 row values x (LSE2, delta), boxes of one query tile."""
+    return TensorDescriptor(x.view(-1), [x.numel()], [1], [QUERIES_PER_TILE], ROW_LAYOUT.value)
 
 
 def _desc(x, block):
@@ -228,15 +248,16 @@ def _desc(x, block):
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
-                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, unroll):
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, unroll, rows_tma):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper)."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     _bwd_dkdv_hopper_kernel[grid](
         _desc(k8, [KEYS_PER_PROGRAM, D]), _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(q8, [QUERIES_PER_TILE, D]),
         _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
-        sq, sk, sv, sdo, lse2, delta, dss, dk, dv,
+        sq, sk, sv, sdo, *((_row_desc(lse2), _row_desc(delta)) if rows_tma else (lse2, delta)), dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, UNROLL=unroll, num_warps=4,
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, UNROLL=unroll,
+        ROWS_TMA=rows_tma, num_warps=4,
     )
 
