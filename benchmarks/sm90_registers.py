@@ -82,7 +82,7 @@ def strides(fn, constexprs):
     return unit, [a for a in names if a not in unit]
 
 
-def hopper_signature(d, rows_tma=False):
+def hopper_signature(d):
     """(signature, attrs) of backward_hopper's Gluon kernel: descriptors with their boxes and shared layouts."""
     from hf_deltamatch.kernels import backward_hopper as H
 
@@ -92,8 +92,9 @@ def hopper_signature(d, rows_tma=False):
     fn = H._bwd_dkdv_hopper_kernel
     sig = {"k_desc": desc(n, d), "v_desc": desc(n, d), "q_desc": desc(m, d), "do_desc": desc(m, d),
            "qt_desc": desc(d, m), "dot_desc": desc(d, m), "DK": "*bf16", "DV": "*bf16", "softmax_scale": "fp32",
-           **{a: "*fp32" for a in ("SQ", "SK", "SV", "SDO", "LSE2", "DELTA", "DSS")},
-           **({a: f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>" for a in ("LSE2", "DELTA")} if rows_tma else {}),
+           "lse_desc": f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>",
+           "delta_desc": f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>",
+           **{a: "*fp32" for a in ("SQ", "SK", "SV", "SDO", "DSS")},
            **{a: "constexpr" for a in ("GROUPS", "HEAD_D", "STAGES", "CAUSAL")}}
     sig.update({a: "i32" for a in fn.arg_names if a not in sig})
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a][0] == "*" or a == "N"}
@@ -103,7 +104,7 @@ def hopper_signature(d, rows_tma=False):
 def usage(fn, constexprs, warps, stages, maxnreg=None):
     if fn.__name__ == "_bwd_dkdv_hopper_kernel":
         from triton.experimental.gluon._runtime import GluonASTSource
-        sig, attrs = hopper_signature(constexprs["HEAD_D"], constexprs["ROWS_TMA"])
+        sig, attrs = hopper_signature(constexprs["HEAD_D"])
         src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     else:
         sig, attrs = signature(fn, constexprs)
@@ -212,8 +213,7 @@ def main():
             from hf_deltamatch.kernels.backward_hopper import _bwd_dkdv_hopper_kernel
             cfg = K._dkdv_hopper_cfg()
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=cfg["stages"],
-                                                            FOLD=cfg["fold"], UNROLL=cfg["unroll"],
-                                                            ROWS_TMA=cfg["rows_tma"]), 4, 1)
+                                                            FOLD=cfg["fold"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))

@@ -203,18 +203,15 @@ def test_dkdv_lse2_and_p256():
         K.TUNE.clear()
 
 
-@pytest.mark.parametrize("stages,fold,unroll,rows_tma", [(2, False, 1, False), (3, True, 2, False), (2, False, 1, True),
-                                                     (3, True, 2, True)],
-                         ids=["s2", "s3-fold-unroll2", "s2-rows", "s3-fold-unroll2-rows"])
-def test_dkdv_hopper_kernel(stages, fold, unroll, rows_tma):
+@pytest.mark.parametrize("stages,fold", [(2, False), (3, True)])
+def test_dkdv_hopper_kernel(stages, fold):
     """The Gluon dK/dV kernel (backward_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)
     and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
     order differs), causal and full, D 64 and 128, GQA; dQ is untouched."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_fold=fold, dkdv_hopper_unroll=unroll,
-                dkdv_hopper_rows_tma=rows_tma)
+    opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_fold=fold)
     K.TUNE.update(dkdv_hopper=True, **opts)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)

@@ -38,9 +38,10 @@ ROW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bit
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, LSE2, DELTA, k_smem, v_smem, q_smem, qt_smem,
-            do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q, N,
-            GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, ROWS_TMA: gl.constexpr):
+def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+            qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q,
+            N,
+            GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
@@ -51,96 +52,31 @@ def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, LSE2, DELTA, k_s
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(s)
-        if ROWS_TMA:
-            mbarrier.expect(bar, 4 * q_desc.block_type.nbytes + 2 * LSE2.block_type.nbytes)
-        else:
-            mbarrier.expect(bar, 4 * q_desc.block_type.nbytes)
+        mbarrier.expect(bar, 4 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
         row = q_row0 + g * N + m0
         col_row = t_row0 + g * HEAD_D
         tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s))
         tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s))
         tma.async_copy_global_to_shared(qt_desc, [col_row, m0], bar, qt_smem.index(s))
         tma.async_copy_global_to_shared(dot_desc, [col_row, m0], bar, dot_smem.index(s))
-        if ROWS_TMA:
-            tma.async_copy_global_to_shared(LSE2, [row], bar, lse_smem.index(s))
-            tma.async_copy_global_to_shared(DELTA, [row], bar, delta_smem.index(s))
-
-
-@gluon.jit
-def _tile(t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
-          delta_smem, ready, empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq,
-          dss_tk, dss_col, a_layout: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
-          ROWS_TMA: gl.constexpr,
-          FOLLOWS: gl.constexpr, WAITS: gl.constexpr):
-    """One 64-query tile t of one warpgroup. WAITS: wait for the tile's dV and dK MMAs at its end and hand its
-    stage back; else (the first tile of a pair, UNROLL=2) they stay in flight into the next tile, which retires
-    them with its S^T and then hands their stage back (FOLLOWS). Nothing may stay in flight across the loop's
-    back edge: ptxas then serializes every wgmma of the kernel (sm_90, Triton 3.6)."""
-    g = t // n_q
-    i = t - g * n_q
-    m0 = lo + i * BLOCK_M
-    s = t % STAGES
-    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-    dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
-    bh = bh0 + g
-    row = bh * N + m0
-    sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
-    sdo_t = gl.load(SDO + row)
-    sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
-    if not ROWS_TMA:
-        lse2 = gl.load(LSE2 + row + cols)
-        delta = gl.load(DELTA + row + cols)
-    # S^T done (and, in order, the previous tile's dV and dK); dP^T's MMA runs under the exponentials
-    s_acc, dk, dv = warpgroup_mma_wait(1, deps=(s_acc, dk, dv))
-    if FOLLOWS:
-        mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES))  # the pair's first tile's stage is read
-    st = s_acc * (col_f * sq_t)
-    if ROWS_TMA:  # LSE2 and delta came with the tile: read when needed, not held in registers across the waits
-        lse2 = lse_smem.index(s).load(cols.type.layout)
-    if CAUSAL:
-        if i < 2:  # the two query tiles that cross this program's diagonal (N = M: top-left = bottom-right)
-            st = gl.where(keys[:, None] <= (m0 + cols)[None, :], st, float("-inf"))
-    p256 = gl.exp2(st - lse2[None, :])  # P^T * 256: the static scale is in LSE2
-    cv = sdo_t * (1.0 / 256.0)
-    dv = dv * (c_dv / cv)
-    c_dv = cv
-    p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
-    dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
-    dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA may still run
-    ck = sds * sq_t
-    dk = dk * (c_dk / ck)
-    c_dk = ck
-    r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
-    if ROWS_TMA:
-        delta = delta_smem.index(s).load(cols.type.layout)
-    if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
-        ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
-    else:
-        ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
-    ds8 = gl.convert_layout(ds_r.to(gl.float8e4nv), a_layout)
-    dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
-    if WAITS:
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        mbarrier.arrive(empty.index(s))  # this stage's q, dO tiles and their transposes are read
-    return dk, dv, c_dk, c_dv, s_acc, dp_acc
+        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(s))
+        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(s))
 
 
 @gluon.jit
 def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
-                   SQ, SDO, LSE2, DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale,
-                   bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
+                   SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, UNROLL: gl.constexpr, ROWS_TMA: gl.constexpr):
+                   CAUSAL: gl.constexpr, FOLD: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_M, 32])
     d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=4)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     kb = n0 + WG * 64  # this warpgroup's first key
     k_sub = k_smem.slice(WG * 64, 64)
     v_sub = v_smem.slice(WG * 64, 64)
-    cols = gl.arange(0, BLOCK_M, gl.SliceLayout(0, s_layout))
     keys = kb + gl.arange(0, 64, gl.SliceLayout(1, s_layout))
     # S^T and dP^T are MMAs into fresh accumulators (use_acc=False) in registers carried from tile to tile, so
     # that no zero fill is needed per tile
@@ -152,17 +88,51 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     c_dv = softmax_scale * 0.0 + 1.0
     dss_col = n0 // BLOCK_N
     mbarrier.wait(kv_bar, 0)
-    # n_q is even (N and the program's first key are multiples of 128), so pairs of tiles never straddle heads
-    for t in range(0, GROUPS * n_q, UNROLL):
-        if UNROLL == 2:
-            dk, dv, c_dk, c_dv, s_acc, dp_acc = _tile(
-                t, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
-                delta_smem, ready, empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N, dss_tq,
-                dss_tk, dss_col, a_layout, STAGES, CAUSAL, FOLD, ROWS_TMA, False, False)
-        dk, dv, c_dk, c_dv, s_acc, dp_acc = _tile(
-            t + UNROLL - 1, dk, dv, c_dk, c_dv, s_acc, dp_acc, k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem,
-            lse_smem, delta_smem, ready, empty, SQ, SDO, LSE2, DELTA, DSS, col_f, dp_f, keys, cols, bh0, lo, n_q, N,
-            dss_tq, dss_tk, dss_col, a_layout, STAGES, CAUSAL, FOLD, ROWS_TMA, UNROLL == 2, True)
+    for t in range(GROUPS * n_q):
+        g = t // n_q
+        i = t - g * n_q
+        m0 = lo + i * BLOCK_M
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+        dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+        bh = bh0 + g
+        row = bh * N + m0
+        sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
+        sdo_t = gl.load(SDO + row)
+        sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
+        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
+        st = s_acc * (col_f * sq_t)
+        # LSE2 and delta came with the tile (TMA) and are read where needed: per-thread loads of them, held
+        # across the MMA waits, cost 32 registers and spills (dK/dV 1.83 -> 1.55 ms, H200 run 0023)
+        lse2 = lse_smem.index(s).load(col_layout)
+        if CAUSAL:
+            if i < 2:  # the two query tiles that cross this program's diagonal (N = M: top-left = bottom-right)
+                cols = m0 + gl.arange(0, BLOCK_M, col_layout)
+                st = gl.where(keys[:, None] <= cols[None, :], st, float("-inf"))
+        p256 = gl.exp2(st - lse2[None, :])  # P^T * 256: the static scale is in LSE2
+        cv = sdo_t * (1.0 / 256.0)
+        dv = dv * (c_dv / cv)
+        c_dv = cv
+        p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
+        dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+        dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
+        ck = sds * sq_t
+        dk = dk * (c_dk / ck)
+        c_dk = ck
+        r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
+        delta = delta_smem.index(s).load(col_layout)
+        if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
+            ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
+        else:
+            ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
+        ds8 = gl.convert_layout(ds_r.to(gl.float8e4nv), a_layout)
+        dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+        # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
+        # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
+        # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        mbarrier.arrive(empty.index(s))  # this stage's tiles are read
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     rows = out_row + kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
@@ -174,10 +144,9 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
 
 @gluon.jit
 def _bwd_dkdv_hopper_kernel(
-    k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, SQ, SK, SV, SDO, LSE2, DELTA, DSS, DK, DV,
+    k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
-    UNROLL: gl.constexpr, ROWS_TMA: gl.constexpr,  # LSE2, DELTA: 1-D TMA descriptors (else pointers)
 ):
     # grid order as backward._bwd_dkdv_kernel (forward._grid_ids): head groups, tile-major inside a group,
     # the heaviest (first, under causal) key tiles first
@@ -206,7 +175,7 @@ def _bwd_dkdv_hopper_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
     dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)  # unused without ROWS_TMA
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -218,14 +187,14 @@ def _bwd_dkdv_hopper_kernel(
 
     gl.warp_specialize([
         (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
-                          empty, SQ, SDO, LSE2, DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                          dss_tq, dss_tk, pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL, ROWS_TMA)),
+                          empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
+                          dss_tq, dss_tk, pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD)),
         (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
-                          empty, SQ, SDO, LSE2, DELTA, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                          dss_tq, dss_tk, pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, UNROLL, ROWS_TMA)),
-        (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, LSE2, DELTA, k_smem, v_smem, q_smem, qt_smem,
-                   do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N, bh0 * HEAD_D, lo,
-                   n_q, N, GROUPS, HEAD_D, STAGES, ROWS_TMA)),
+                          empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
+                          dss_tq, dss_tk, pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD)),
+        (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+                   qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
+                   bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
 
 
@@ -248,16 +217,15 @@ def _desc(x, block):
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
-                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, unroll, rows_tma):
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper)."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     _bwd_dkdv_hopper_kernel[grid](
         _desc(k8, [KEYS_PER_PROGRAM, D]), _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(q8, [QUERIES_PER_TILE, D]),
         _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
-        sq, sk, sv, sdo, *((_row_desc(lse2), _row_desc(delta)) if rows_tma else (lse2, delta)), dss, dk, dv,
+        _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, UNROLL=unroll,
-        ROWS_TMA=rows_tma, num_warps=4,
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, num_warps=4,
     )
 

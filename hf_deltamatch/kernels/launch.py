@@ -17,13 +17,12 @@ from ._fp8 import INTERPRET
 # _dkdv_ds_scales), "dkdv_block_n": the dK/dV kernel's key tile (see _dkdv_block_n), "dkdv_fold_ds_scale": True /
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
-# and delta, as _dkdv_fold_ds_scale), "dkdv_hopper_unroll": 1 or 2 (tiles per loop iteration; see backward_hopper._tile),
-# "dkdv_hopper_rows_tma": True / False (LSE2 and delta through the TMA ring instead of per-thread loads)}.
+# and delta, as _dkdv_fold_ds_scale)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dkdv_hopper_unroll", "dkdv_hopper_rows_tma"}
+              "dkdv_hopper_fold"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -184,16 +183,12 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
 DKDV_HOPPER_HEAD_DIMS = ()
 DKDV_HOPPER_STAGES = 2
 DKDV_HOPPER_FOLD = False
-DKDV_HOPPER_UNROLL = 1
-DKDV_HOPPER_ROWS_TMA = False
 
 
 def _dkdv_hopper_cfg() -> dict:
     """backward_hopper.dkdv_hopper's options: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
-                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
-                unroll=int(TUNE.get("dkdv_hopper_unroll", DKDV_HOPPER_UNROLL)),
-                rows_tma=bool(TUNE.get("dkdv_hopper_rows_tma", DKDV_HOPPER_ROWS_TMA)))
+                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)))
 
 
 def _dkdv_hopper(d: int, *, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int,
