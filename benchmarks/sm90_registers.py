@@ -83,13 +83,13 @@ def strides(fn, constexprs):
 
 
 def hopper_signature(d):
-    """(signature, attrs) of backward_hopper's Gluon kernel: descriptors with their boxes and shared layouts."""
-    from hf_deltamatch.kernels import backward_hopper as H
+    """(signature, attrs) of dkdv_hopper's Gluon kernel: descriptors with their boxes and shared layouts."""
+    from hf_deltamatch.kernels import _gluon as H
 
     def desc(rows, cols):
         return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout([rows, cols])!r}>"
     n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
-    fn = H._bwd_dkdv_hopper_kernel
+    from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel as fn
     sig = {"k_desc": desc(n, d), "v_desc": desc(n, d), "q_desc": desc(m, d), "do_desc": desc(m, d),
            "qt_desc": desc(d, m), "dot_desc": desc(d, m), "DK": "*bf16", "DV": "*bf16", "softmax_scale": "fp32",
            "lse_desc": f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>",
@@ -209,8 +209,8 @@ def main():
                                             BLOCK_N=kv_n, DS_K=args.block,
                                             TMA=K._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
         }
-        if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (backward_hopper.py): 4 warps + workers
-            from hf_deltamatch.kernels.backward_hopper import _bwd_dkdv_hopper_kernel
+        if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
+            from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
             cfg = K._dkdv_hopper_cfg()
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=cfg["stages"],
                                                             FOLD=cfg["fold"]), 4, 1)

@@ -426,7 +426,7 @@ def test_dkdv_block_n_needs_the_ds_scales():
 
 
 def test_dkdv_hopper_only_where_it_applies():
-    """The Gluon dK/dV kernel (backward_hopper.py, TUNE dkdv_hopper) runs only on an sm_90 GPU with Triton 3.6 and
+    """The Gluon dK/dV kernel (dkdv_hopper.py, TUNE dkdv_hopper) runs only on an sm_90 GPU with Triton 3.6 and
     only for its case; anywhere else (the interpreter here, a varlen batch, D=256, ...) the request falls back to
     _bwd_dkdv_kernel, with the same results. Its own numerics are held to the reference on the H200
     (tests/test_kernels_gpu.py::test_dkdv_hopper_kernel)."""

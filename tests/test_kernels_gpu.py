@@ -205,7 +205,7 @@ def test_dkdv_lse2_and_p256():
 
 @pytest.mark.parametrize("stages,fold", [(2, False), (3, True)])
 def test_dkdv_hopper_kernel(stages, fold):
-    """The Gluon dK/dV kernel (backward_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)
+    """The Gluon dK/dV kernel (dkdv_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)
     and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
     order differs), causal and full, D 64 and 128, GQA; dQ is untouched."""
     import triton

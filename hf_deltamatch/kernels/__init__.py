@@ -200,7 +200,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     hopper = _dkdv_hopper(d, fp8=fp8, e4m3=config.grad_format == "e4m3", dqk=dqk, dv=dv, block=T, varlen=varlen,
                           window=window if causal else None, n=N, m=M, device=do.device, lse2_in=lse2_in,
                           p_shift=p_shift) and all(t.is_contiguous() for t in (q8, k8, v8))
-    # the Gluon dK/dV kernel (backward_hopper) reads the dQ kernel's dS scales always
+    # the Gluon dK/dV kernel (dkdv_hopper) reads the dQ kernel's dS scales always
     ds_scales = (_dkdv_ds_scales(d, fp8, Hq != Hkv) or hopper) and N > 0 and M > 0
     kv_n = _dkdv_block_n(T, d, ds_scales)
     # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
@@ -265,7 +265,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
             doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
         if hopper:
-            from .backward_hopper import KEYS_PER_PROGRAM, dkdv_hopper
+            from .dkdv_hopper import KEYS_PER_PROGRAM, dkdv_hopper
             grid, n_tiles, head_group = _grid("dkdv", M // KEYS_PER_PROGRAM, B * Hkv, nseq, bool(causal))
             dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,

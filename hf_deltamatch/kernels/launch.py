@@ -177,7 +177,7 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
     return bn
 
 
-# Head dims at which dK/dV comes from the Gluon kernel (backward_hopper.py: a TMA warp and two independent MMA
+# Head dims at which dK/dV comes from the Gluon kernel (dkdv_hopper.py: a TMA warp and two independent MMA
 # warpgroups, asynchronous wgmmas) wherever it applies (_dkdv_hopper). Prepared in session 8; on nowhere until
 # the H200 has timed it against _bwd_dkdv_kernel.
 DKDV_HOPPER_HEAD_DIMS = ()
@@ -186,14 +186,14 @@ DKDV_HOPPER_FOLD = False
 
 
 def _dkdv_hopper_cfg() -> dict:
-    """backward_hopper.dkdv_hopper's options: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
+    """dkdv_hopper.dkdv_hopper's options: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)))
 
 
 def _dkdv_hopper(d: int, *, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int,
                  m: int, device, lse2_in: bool, p_shift: int) -> bool:
-    """Whether dK/dV comes from backward_hopper's Gluon kernel: DKDV_HOPPER_HEAD_DIMS or TUNE["dkdv_hopper"], and
+    """Whether dK/dV comes from dkdv_hopper's Gluon kernel: DKDV_HOPPER_HEAD_DIMS or TUNE["dkdv_hopper"], and
     the input is its case (fp8 e4m3, Dqk = Dv in 64/128, block 128, no varlen or window, N = M a multiple of 128,
     an sm_90 GPU, Triton 3.6's Gluon API, the dQ kernel's LSE2 with P * 256)."""
     if not TUNE.get("dkdv_hopper", d in DKDV_HOPPER_HEAD_DIMS) or INTERPRET:

@@ -25,16 +25,9 @@ Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dkdv_kernel` (
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait,
-)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-KEYS_PER_PROGRAM = 128  # the dS tile's keys (config.block): two warpgroups of 64
-BLOCK_N = gl.constexpr(KEYS_PER_PROGRAM)
-QUERIES_PER_TILE = 64  # DS_TILE_Q
-BLOCK_M = gl.constexpr(QUERIES_PER_TILE)
-ROW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
+from ._gluon import BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _row_desc
 
 
 @gluon.jit
@@ -148,15 +141,8 @@ def _bwd_dkdv_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
 ):
-    # grid order as backward._bwd_dkdv_kernel (forward._grid_ids): head groups, tile-major inside a group,
-    # the heaviest (first, under causal) key tiles first
-    pid = gl.program_id(0)
-    heads = gl.num_programs(0) // n_tiles
-    g0 = (pid // (head_group * n_tiles)) * head_group
-    size = gl.minimum(head_group, heads - g0)
-    within = pid - g0 * n_tiles
-    pid_n = within // size
-    pid_bh = g0 + within % size  # b * Hkv + hk
+    # the heaviest (first, under causal) key tiles first, as backward._bwd_dkdv_kernel
+    pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hkv + hk
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
     n0 = pid_n * BLOCK_N
@@ -196,24 +182,6 @@ def _bwd_dkdv_hopper_kernel(
                    qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                    bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
-
-
-def _layout(block):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-
-
-def _row_desc(x):
-    """1-D TMA descriptor over the (B, H, N) fp32 row values x (LSE2, delta), boxes of one query tile."""
-    return TensorDescriptor(x.view(-1), [x.numel()], [1], [QUERIES_PER_TILE], ROW_LAYOUT.value)
-
-
-def _desc(x, block):
-    """Gluon TMA descriptor over the 2-D view of x (B, H, N, D): (B*H*N, D) rows for a contiguous x, (B*H*D, N)
-    for a token-major one (kernels.quantize.token_major: (B, H, D, N16) storage)."""
-    B, H, N, D = x.shape
-    if x.stride(2) == 1:
-        return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], block, _layout(block))
-    return TensorDescriptor(x, [B * H * N, D], [D, 1], block, _layout(block))
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,

@@ -1,0 +1,43 @@
+"""What the Gluon kernels for Hopper (dkdv_hopper.py, dq_hopper.py) share: tile sizes, TMA descriptors over our
+FP8 and row tensors, the grid order. Written against Triton 3.6's Gluon API (launch._dkdv_hopper checks)."""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+KEYS_PER_PROGRAM = 128  # keys per dS tile (config.block)
+BLOCK_N = gl.constexpr(KEYS_PER_PROGRAM)
+QUERIES_PER_TILE = 64  # queries per dS tile (DS_TILE_Q): one warpgroup's wgmma rows
+BLOCK_M = gl.constexpr(QUERIES_PER_TILE)
+# 1-D boxes of fp32 row values (LSE2, delta): no swizzle
+ROW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
+
+
+def _layout(block):
+    return gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+
+
+def _desc(x, block):
+    """TMA descriptor over the 2-D view of x (B, H, N, D): (B*H*N, D) rows for a contiguous x, (B*H*D, N) for a
+    token-major one (kernels.quantize.token_major: (B, H, D, N16) storage)."""
+    B, H, N, D = x.shape
+    if x.stride(2) == 1:
+        return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], block, _layout(block))
+    return TensorDescriptor(x, [B * H * N, D], [D, 1], block, _layout(block))
+
+
+def _row_desc(x, box=QUERIES_PER_TILE):
+    """1-D TMA descriptor over the (B, H, N) fp32 row values x (LSE2, delta), boxes of `box` rows."""
+    return TensorDescriptor(x.view(-1), [x.numel()], [1], [box], ROW_LAYOUT.value)
+
+
+@gluon.jit
+def _grid_ids(n_tiles, head_group):
+    """(tile, batch * head) of this program, in the Triton kernels' order (forward._grid_ids): head groups,
+    tile-major inside a group."""
+    pid = gl.program_id(0)
+    heads = gl.num_programs(0) // n_tiles
+    g0 = (pid // (head_group * n_tiles)) * head_group
+    size = gl.minimum(head_group, heads - g0)
+    within = pid - g0 * n_tiles
+    return within // size, g0 + within % size
