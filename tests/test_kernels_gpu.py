@@ -239,6 +239,43 @@ def test_dkdv_hopper_kernel(stages, fold):
         assert errs[1] < 1e-3 and errs[2] < 1e-3, errs
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_dq_hopper_kernel(stages):
+    """The Gluon dQ kernel with the correction pass (dq_hopper.py, TUNE dq_hopper), alone and with the Gluon
+    dK/dV kernel, against the reference (the same tolerances) and against _bwd_dq_kernel (the same arithmetic;
+    the dK/dV kernel reads the delta, LSE2 and dS scales it writes), causal and full, D 64 and 128, GQA, pow2
+    scales; the invariant at 8K."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    K.TUNE.update(dq_hopper=True, dq_hopper_stages=stages)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+        _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False, scale_rounding="pow2")
+        K.TUNE["dkdv_hopper"] = True
+        _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, causal=False)
+        res = _invariant(8192)
+    finally:
+        K.TUNE.clear()
+    assert res["matching"] <= 1e-5
+    for B, Hq, Hkv, N, D, causal in ((2, 4, 2, 2048, 128, True), (1, 4, 4, 1024, 128, False),
+                                     (1, 4, 4, 1024, 64, True)):
+        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=4)
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        f = K.forward(q, k, v, **kw)
+        grads = {}
+        for name, tune in (("triton", dict(dkdv_ds_scales=True)), ("gluon", dict(dq_hopper=True))):
+            K.TUNE.update(tune, dq_hopper_stages=stages)
+            try:
+                grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+            finally:
+                K.TUNE.clear()
+        errs = [_rel(a, b) for a, b in zip(grads["gluon"], grads["triton"])]
+        print("HOPPER DQ vs TRITON", B, Hq, Hkv, N, D, causal, stages, errs)
+        assert max(errs) < 1e-3, errs
+
+
 @pytest.mark.parametrize("dkdv", [(8, 1), (8, 2)])
 def test_head_dim_256_configs_and_split_dkdv(dkdv):
     """D > 128 with the launch configs timed in run 2137 and dK/dV split into a dV and a dK launch (TUNE

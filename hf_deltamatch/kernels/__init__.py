@@ -28,7 +28,7 @@ from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
     _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
-    _dkdv_hopper_cfg, _grid, _use_tma, _wait_mma,
+    _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _grid, _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
 
@@ -197,11 +197,13 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
-    hopper = _dkdv_hopper(d, fp8=fp8, e4m3=config.grad_format == "e4m3", dqk=dqk, dv=dv, block=T, varlen=varlen,
-                          window=window if causal else None, n=N, m=M, device=do.device, lse2_in=lse2_in,
-                          p_shift=p_shift) and all(t.is_contiguous() for t in (q8, k8, v8))
-    # the Gluon dK/dV kernel (dkdv_hopper) reads the dQ kernel's dS scales always
-    ds_scales = (_dkdv_ds_scales(d, fp8, Hq != Hkv) or hopper) and N > 0 and M > 0
+    # the Gluon kernels (dkdv_hopper, dq_hopper) where they apply; both take the dS scales from the dQ kernel
+    case = dict(fp8=fp8, e4m3=config.grad_format == "e4m3", dqk=dqk, dv=dv, block=T, varlen=varlen,
+                window=window if causal else None, n=N, m=M, device=do.device, lse2_in=lse2_in, p_shift=p_shift)
+    case_ok = fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
+    hopper = case_ok and _dkdv_hopper(d, **case)
+    hopper_dq = case_ok and _dq_hopper(d, stale=stale, **case)
+    ds_scales = (_dkdv_ds_scales(d, fp8, Hq != Hkv) or hopper or hopper_dq) and N > 0 and M > 0
     kv_n = _dkdv_block_n(T, d, ds_scales)
     # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
     # head: backward._dss_row's bound N // DS_TILE_Q + nseq. Ones: a tile the dQ kernel skips is all masked, and 1
@@ -243,19 +245,27 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
             ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
         o_arg = out if stale else do
-        grid, n_tiles, head_group = _grid("dq", triton.cdiv(max_n, dq_m), B * Hq, nseq, bool(causal))
-        _bwd_dq_kernel[grid](
-            qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, lse2, rs, ra, dss,
-            cu_seqlens_q, cu_seqlens_k,
-            *qs.stride(), *ks.stride(), *_s4(k8t if k8t is not None else ks), *vs.stride(), *doa.stride(),
-            *do.stride(),
-            *o_arg.stride(), *dq.stride(),
-            Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group, dss_tq, dss_tk,
-            GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums, DS_Q=DS_TILE_Q,
-            ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", d),
-            ASM_SCALES=_asm_scales("dq", d), SCALE_AFTER_SUM=_scale_after_sum(d), LSE2_OUT=lse2_in, P_SHIFT=p_shift,
-            DSS_OUT=ds_scales, num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
-        )
+        if hopper_dq:
+            from .dq_hopper import QUERIES_PER_PROGRAM, dq_hopper
+            grid, n_tiles, head_group = _grid("dq", N // QUERIES_PER_PROGRAM, B * Hq, nseq, bool(causal))
+            dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, causal=causal,
+                      softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
+                      head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
+                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, **_dq_hopper_cfg())
+        else:
+            grid, n_tiles, head_group = _grid("dq", triton.cdiv(max_n, dq_m), B * Hq, nseq, bool(causal))
+            _bwd_dq_kernel[grid](
+                qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, lse2, rs, ra, dss,
+                cu_seqlens_q, cu_seqlens_k,
+                *qs.stride(), *ks.stride(), *_s4(k8t if k8t is not None else ks), *vs.stride(), *doa.stride(),
+                *do.stride(),
+                *o_arg.stride(), *dq.stride(),
+                Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group, dss_tq, dss_tk,
+                GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums,
+                DS_Q=DS_TILE_Q, ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", d),
+                ASM_SCALES=_asm_scales("dq", d), SCALE_AFTER_SUM=_scale_after_sum(d), LSE2_OUT=lse2_in,
+                P_SHIFT=p_shift, DSS_OUT=ds_scales, num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
+            )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
     if M > 0 and max_m > 0:
         qa, qta, doa_, dota = qs, qs, doa, doa

@@ -17,12 +17,13 @@ from ._fp8 import INTERPRET
 # _dkdv_ds_scales), "dkdv_block_n": the dK/dV kernel's key tile (see _dkdv_block_n), "dkdv_fold_ds_scale": True /
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
-# and delta, as _dkdv_fold_ds_scale)}.
+# and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
+# "dq_hopper_stages": its ring of k/v buffers}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold"}
+              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -177,12 +178,33 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
     return bn
 
 
-# Head dims at which dK/dV comes from the Gluon kernel (dkdv_hopper.py: a TMA warp and two independent MMA
-# warpgroups, asynchronous wgmmas) wherever it applies (_dkdv_hopper). Prepared in session 8; on nowhere until
-# the H200 has timed it against _bwd_dkdv_kernel.
+# Head dims at which dK/dV and dQ (with the correction pass) come from the Gluon kernels (dkdv_hopper.py,
+# dq_hopper.py: a TMA warp and two independent MMA warpgroups, asynchronous wgmmas) wherever they apply
+# (_hopper_case). On nowhere until the H200 has timed them against the Triton kernels.
 DKDV_HOPPER_HEAD_DIMS = ()
 DKDV_HOPPER_STAGES = 2
 DKDV_HOPPER_FOLD = False
+DQ_HOPPER_HEAD_DIMS = ()
+DQ_HOPPER_STAGES = 2
+
+
+def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
+                 device, lse2_in: bool, p_shift: int) -> bool:
+    """Whether the input is the Gluon kernels' case: fp8 e4m3, Dqk = Dv in 64/128, block 128, no varlen or window,
+    N = M a multiple of 128, an sm_90 GPU, Triton 3.6's Gluon API, the dQ kernel's LSE2 with P * 256."""
+    if INTERPRET:
+        return False
+    import torch
+    import triton
+    return (fp8 and e4m3 and dqk == dv and dqk in (64, 128) and block == 128 and not varlen and window is None
+            and n == m and n > 0 and n % 128 == 0 and lse2_in and p_shift == 8 and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0) and triton.__version__.startswith("3.6"))
+
+
+def _dkdv_hopper(d: int, **case) -> bool:
+    """Whether dK/dV comes from dkdv_hopper's Gluon kernel: DKDV_HOPPER_HEAD_DIMS or TUNE["dkdv_hopper"], and the
+    input is its case (_hopper_case)."""
+    return bool(TUNE.get("dkdv_hopper", d in DKDV_HOPPER_HEAD_DIMS)) and _hopper_case(**case)
 
 
 def _dkdv_hopper_cfg() -> dict:
@@ -191,18 +213,15 @@ def _dkdv_hopper_cfg() -> dict:
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)))
 
 
-def _dkdv_hopper(d: int, *, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int,
-                 m: int, device, lse2_in: bool, p_shift: int) -> bool:
-    """Whether dK/dV comes from dkdv_hopper's Gluon kernel: DKDV_HOPPER_HEAD_DIMS or TUNE["dkdv_hopper"], and
-    the input is its case (fp8 e4m3, Dqk = Dv in 64/128, block 128, no varlen or window, N = M a multiple of 128,
-    an sm_90 GPU, Triton 3.6's Gluon API, the dQ kernel's LSE2 with P * 256)."""
-    if not TUNE.get("dkdv_hopper", d in DKDV_HOPPER_HEAD_DIMS) or INTERPRET:
-        return False
-    import torch
-    import triton
-    return (fp8 and e4m3 and dqk == dv and dqk in (64, 128) and block == 128 and not varlen and window is None
-            and n == m and n > 0 and n % 128 == 0 and lse2_in and p_shift == 8 and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) == (9, 0) and triton.__version__.startswith("3.6"))
+def _dq_hopper_cfg() -> dict:
+    """dq_hopper.dq_hopper's options: DQ_HOPPER_STAGES or TUNE["dq_hopper_stages"]."""
+    return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)))
+
+
+def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
+    """Whether dQ and the correction pass come from dq_hopper's Gluon kernel: DQ_HOPPER_HEAD_DIMS or
+    TUNE["dq_hopper"], the matching delta, and the input is its case (_hopper_case)."""
+    return bool(TUNE.get("dq_hopper", d in DQ_HOPPER_HEAD_DIMS)) and not stale and _hopper_case(**case)
 
 
 # How many heads each kernel's grid hands out together under a causal mask, tile-major within the group
