@@ -119,7 +119,7 @@ def test_tma_equals_pointer_paths():
     runs = {}
     for name, tune in {"tma": tma, "pointers": dict(fwd_tma=False, dq_tma=False, dkdv_tma=False),
                        "tma, MMA waits and scale loads flipped": dict(tma, **flipped)}.items():
-        K.TUNE.update(tune)
+        K.TUNE.update(tune, dkdv_hopper=False, dq_hopper=False)  # the Triton kernels, not the Gluon ones at D=128
         try:
             runs[name] = fwd_bwd()
         finally:
@@ -127,6 +127,11 @@ def test_tma_equals_pointer_paths():
     for name in ("pointers", "tma, MMA waits and scale loads flipped"):
         for a, b in zip(runs["tma"], runs[name]):
             assert torch.equal(a, b), name
+    K.TUNE.update(dkdv_hopper=False, dq_hopper=False)  # and the Triton kernels against the reference at D=128
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+    finally:
+        K.TUNE.clear()
 
 
 def test_e5m2_pow2():
@@ -212,7 +217,7 @@ def test_dkdv_hopper_kernel(stages, fold):
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
     opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_fold=fold)
-    K.TUNE.update(dkdv_hopper=True, **opts)
+    K.TUNE.update(dkdv_hopper=True, dq_hopper=False, **opts)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
@@ -225,7 +230,9 @@ def test_dkdv_hopper_kernel(stages, fold):
                   config=DeltaMatchConfig())
         f = K.forward(q, k, v, **kw)
         grads = {}
-        for name, tune in (("triton", dict(dkdv_ds_scales=True)), ("gluon", dict(dkdv_hopper=True))):
+        # the Triton dK/dV kernel reading the same dS scales, against the Gluon one; dQ from the Triton kernel
+        for name, tune in (("triton", dict(dkdv_ds_scales=True, dkdv_hopper=False, dq_hopper=False)),
+                           ("gluon", dict(dkdv_hopper=True, dq_hopper=False))):
             K.TUNE.update(tune, **opts)
             try:
                 assert K._dkdv_hopper(D, fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=False, window=None,
@@ -248,7 +255,7 @@ def test_dq_hopper_kernel(stages):
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    K.TUNE.update(dq_hopper=True, dq_hopper_stages=stages)
+    K.TUNE.update(dq_hopper=True, dkdv_hopper=False, dq_hopper_stages=stages)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False, scale_rounding="pow2")
@@ -265,7 +272,9 @@ def test_dq_hopper_kernel(stages):
                   config=DeltaMatchConfig())
         f = K.forward(q, k, v, **kw)
         grads = {}
-        for name, tune in (("triton", dict(dkdv_ds_scales=True)), ("gluon", dict(dq_hopper=True))):
+        # the Triton dQ kernel writing dS scales, against the Gluon one; dK/dV from the Triton kernel
+        for name, tune in (("triton", dict(dkdv_ds_scales=True, dkdv_hopper=False, dq_hopper=False)),
+                           ("gluon", dict(dq_hopper=True, dkdv_hopper=False))):
             K.TUNE.update(tune, dq_hopper_stages=stages)
             try:
                 grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)

@@ -180,12 +180,15 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
 
 # Head dims at which dK/dV and dQ (with the correction pass) come from the Gluon kernels (dkdv_hopper.py,
 # dq_hopper.py: a TMA warp and two independent MMA warpgroups, asynchronous wgmmas) wherever they apply
-# (_hopper_case). On nowhere until the H200 has timed them against the Triton kernels.
-DKDV_HOPPER_HEAD_DIMS = ()
-DKDV_HOPPER_STAGES = 2
-DKDV_HOPPER_FOLD = False
-DQ_HOPPER_HEAD_DIMS = ()
-DQ_HOPPER_STAGES = 2
+# (_hopper_case). H200, N=8192, kernel ms against the Triton kernels in the same run (session 8, runs 0027 and
+# 0034): dK/dV at D=128 causal 2.06 -> 1.51 (fold, 3 stages; 1.55 with 2 stages, no fold), full 3.61 -> 3.05,
+# GQA 2.34 -> 1.46; at D=64 2.40 -> 2.40 (fold, 3 stages) / 2.55, so not there. dQ at D=128 causal 1.685 ->
+# 1.518 (3 stages), full 3.14 -> 2.88, GQA 1.67 -> 1.50; at D=64 2.57 -> 2.68, so not there.
+DKDV_HOPPER_HEAD_DIMS = (128,)
+DKDV_HOPPER_STAGES = 3
+DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta: 1.55 -> 1.51 ms at D=128 causal with 3 stages
+DQ_HOPPER_HEAD_DIMS = (128,)
+DQ_HOPPER_STAGES = 3
 
 
 def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
