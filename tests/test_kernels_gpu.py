@@ -223,27 +223,36 @@ def test_dkdv_hopper_kernel(stages, fold):
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
     finally:
         K.TUNE.clear()
+    for errs in _gluon_vs_triton(dict(dkdv_hopper=True, dq_hopper=False), opts, seed=3):
+        assert errs[0] == 0.0 and errs[1] < 1e-3 and errs[2] < 1e-3, errs  # dQ: the same Triton kernel
+
+
+def _gluon_vs_triton(gluon, opts, seed):
+    """[(dq, dk, dv) relative errors] of the backward with the Gluon kernel(s) TUNE `gluon` switches on, against the
+    Triton kernels reading the same dS scales, from the same saved tensors: causal GQA and the full mask at D=128,
+    causal at D=64."""
+    out = []
     for B, Hq, Hkv, N, D, causal in ((2, 4, 2, 2048, 128, True), (1, 4, 4, 1024, 128, False),
                                      (1, 4, 4, 1024, 64, True)):
-        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=3)
+        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=seed)
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
+        case = dict(fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=False, window=None, n=N, m=N,
+                    device=q.device, lse2_in=True, p_shift=8)
         f = K.forward(q, k, v, **kw)
         grads = {}
-        # the Triton dK/dV kernel reading the same dS scales, against the Gluon one; dQ from the Triton kernel
         for name, tune in (("triton", dict(dkdv_ds_scales=True, dkdv_hopper=False, dq_hopper=False)),
-                           ("gluon", dict(dkdv_hopper=True, dq_hopper=False))):
+                           ("gluon", gluon)):
             K.TUNE.update(tune, **opts)
-            try:
-                assert K._dkdv_hopper(D, fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=False, window=None,
-                                      n=N, m=N, device=q.device, lse2_in=True, p_shift=8) == (name == "gluon")
+            try:  # the Gluon run must not fall back to Triton, or the comparison proves nothing
+                assert (K._dkdv_hopper(D, **case) or K._dq_hopper(D, stale=False, **case)) == (name == "gluon")
                 grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
                 K.TUNE.clear()
         errs = [_rel(a, b) for a, b in zip(grads["gluon"], grads["triton"])]
-        print("HOPPER vs TRITON", B, Hq, Hkv, N, D, causal, opts, errs)
-        assert torch.equal(grads["gluon"][0], grads["triton"][0])
-        assert errs[1] < 1e-3 and errs[2] < 1e-3, errs
+        print("GLUON vs TRITON", gluon, B, Hq, Hkv, N, D, causal, opts, errs)
+        out.append(errs)
+    return out
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -265,23 +274,7 @@ def test_dq_hopper_kernel(stages):
     finally:
         K.TUNE.clear()
     assert res["matching"] <= 1e-5
-    for B, Hq, Hkv, N, D, causal in ((2, 4, 2, 2048, 128, True), (1, 4, 4, 1024, 128, False),
-                                     (1, 4, 4, 1024, 64, True)):
-        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=4)
-        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  config=DeltaMatchConfig())
-        f = K.forward(q, k, v, **kw)
-        grads = {}
-        # the Triton dQ kernel writing dS scales, against the Gluon one; dK/dV from the Triton kernel
-        for name, tune in (("triton", dict(dkdv_ds_scales=True, dkdv_hopper=False, dq_hopper=False)),
-                           ("gluon", dict(dq_hopper=True, dkdv_hopper=False))):
-            K.TUNE.update(tune, dq_hopper_stages=stages)
-            try:
-                grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
-            finally:
-                K.TUNE.clear()
-        errs = [_rel(a, b) for a, b in zip(grads["gluon"], grads["triton"])]
-        print("HOPPER DQ vs TRITON", B, Hq, Hkv, N, D, causal, stages, errs)
+    for errs in _gluon_vs_triton(dict(dq_hopper=True, dkdv_hopper=False), dict(dq_hopper_stages=stages), seed=4):
         assert max(errs) < 1e-3, errs
 
 

@@ -3,6 +3,7 @@ FP8 and row tensors, the grid order. Written against Triton 3.6's Gluon API (lau
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 KEYS_PER_PROGRAM = 128  # keys per dS tile (config.block)
@@ -41,3 +42,15 @@ def _grid_ids(n_tiles, head_group):
     size = gl.minimum(head_group, heads - g0)
     within = pid - g0 * n_tiles
     return within // size, g0 + within % size
+
+
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """(ready, empty) mbarriers of a ring of STAGES buffers: ready[s] completes when the loader's bytes landed
+    (one arrive with the byte count), empty[s] when both MMA warpgroups are done with the stage."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrive per MMA warpgroup
+    return ready, empty
