@@ -119,11 +119,30 @@ def hopper_dq_signature(d):
     return sig, attrs
 
 
+def hopper_fwd_signature(d):
+    """(signature, attrs) of fwd_hopper's Gluon kernel."""
+    from hf_deltamatch.kernels import _gluon as H
+    from hf_deltamatch.kernels.fwd_hopper import QUERIES_PER_PROGRAM, _fwd_hopper_kernel as fn
+
+    def desc(rows, cols):
+        return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout([rows, cols])!r}>"
+    n, m = H.KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM
+    sig = {"q_desc": desc(m, d), "k_desc": desc(n, d), "vt_desc": desc(d, n), "O": "*bf16", "softmax_scale": "fp32",
+           **{a: "*fp32" for a in ("SQ", "SK", "SV", "LSE")},
+           **{a: "constexpr" for a in ("GROUPS", "HEAD_D", "STAGES", "CAUSAL")}}
+    sig.update({a: "i32" for a in fn.arg_names if a not in sig})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a][0] == "*" or a == "N"}
+    return sig, attrs
+
+
+GLUON_SIGNATURES = {"_bwd_dkdv_hopper_kernel": hopper_signature, "_bwd_dq_hopper_kernel": hopper_dq_signature,
+                    "_fwd_hopper_kernel": hopper_fwd_signature}
+
+
 def usage(fn, constexprs, warps, stages, maxnreg=None):
-    if fn.__name__ in ("_bwd_dkdv_hopper_kernel", "_bwd_dq_hopper_kernel"):
+    if fn.__name__ in GLUON_SIGNATURES:
         from triton.experimental.gluon._runtime import GluonASTSource
-        sig, attrs = (hopper_signature if fn.__name__ == "_bwd_dkdv_hopper_kernel" else hopper_dq_signature)(
-            constexprs["HEAD_D"])
+        sig, attrs = GLUON_SIGNATURES[fn.__name__](constexprs["HEAD_D"])
         src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     else:
         sig, attrs = signature(fn, constexprs)
@@ -238,6 +257,11 @@ def main():
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=K._dq_hopper_cfg()["stages"],
                 SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False), 4, 1)
+        if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
+            from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
+            jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True,
+                                                           STAGES=int(K.TUNE.get("fwd_hopper_stages",
+                                                                                 K.FWD_HOPPER_STAGES))), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))

@@ -425,16 +425,19 @@ def test_dkdv_block_n_needs_the_ds_scales():
         K.TUNE.clear()
 
 
-def test_dkdv_hopper_only_where_it_applies():
-    """The Gluon dK/dV kernel (dkdv_hopper.py, TUNE dkdv_hopper) runs only on an sm_90 GPU with Triton 3.6 and
-    only for its case; anywhere else (the interpreter here, a varlen batch, D=256, ...) the request falls back to
-    _bwd_dkdv_kernel, with the same results. Its own numerics are held to the reference on the H200
-    (tests/test_kernels_gpu.py::test_dkdv_hopper_kernel)."""
+def test_gluon_kernels_only_where_they_apply():
+    """The Gluon kernels (dkdv_hopper.py, dq_hopper.py, fwd_hopper.py; TUNE dkdv_hopper, dq_hopper, fwd_hopper)
+    run only on an sm_90 GPU with Triton 3.6 and only for their case; anywhere else (the interpreter here, a
+    varlen batch, D=256, ...) the request falls back to the Triton kernels, with the same results. Their own
+    numerics are held to the reference on the H200 (tests/test_kernels_gpu.py::test_*_hopper_kernel)."""
     ok = dict(fp8=True, e4m3=True, dqk=128, dv=128, block=128, varlen=False, window=None, n=256, m=256,
               device=torch.device("cpu"), lse2_in=True, p_shift=8)
-    K.TUNE["dkdv_hopper"] = True
+    K.TUNE.update(dkdv_hopper=True, dq_hopper=True, fwd_hopper=True)
     try:
         assert not K._dkdv_hopper(128, **ok)  # no sm_90 GPU (and the interpreter)
+        assert not K._dq_hopper(128, stale=False, **ok)
+        assert not K._fwd_hopper(128, **{k_: ok[k_] for k_ in ("fp8", "dqk", "dv", "block", "varlen", "window",
+                                                                "n", "m", "device")})
         g = torch.Generator().manual_seed(5)
         q, k, v, do = (torch.randn(1, 2, 128, 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4))
         kw = dict(causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=None, cu_seqlens_k=None,

@@ -28,7 +28,7 @@ from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
     _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
-    _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _grid, _use_tma, _wait_mma,
+    _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _grid, _use_tma, _wait_mma, FWD_HOPPER_STAGES,
 )
 from .quantize import quantize, token_major
 
@@ -152,6 +152,15 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
         qa, ka, va = _desc(q8, BLOCK_M, bdqk), _desc(k8, T, bdqk), _desc(v8t, T, bdv)
+    if fp8 and all(t.is_contiguous() for t in (q8, k8)) and _fwd_hopper(
+            d, fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen, window=window if causal else None, n=N, m=M,
+            device=q.device):
+        from .fwd_hopper import QUERIES_PER_PROGRAM, fwd_hopper
+        grid, n_tiles, head_group = _grid("fwd", N // QUERIES_PER_PROGRAM, B * Hq, nseq, bool(causal))
+        fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid,
+                   n_tiles=n_tiles, head_group=head_group,
+                   stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)))
+        return out, lse, q8, k8, v8, sq, sk, sv
     dummy = lse
     grid, n_tiles, head_group = _grid("fwd", triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq, bool(causal))
     _fwd_kernel[grid](

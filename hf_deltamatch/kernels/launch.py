@@ -18,12 +18,12 @@ from ._fp8 import INTERPRET
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
-# "dq_hopper_stages": its ring of k/v buffers}.
+# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages"}
+              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -202,6 +202,21 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
     return (fp8 and e4m3 and dqk == dv and dqk in (64, 128) and block == 128 and not varlen and window is None
             and n == m and n > 0 and n % 128 == 0 and lse2_in and p_shift == 8 and device.type == "cuda"
             and torch.cuda.get_device_capability(device) == (9, 0) and triton.__version__.startswith("3.6"))
+
+
+# Head dims at which the forward comes from fwd_hopper's Gluon kernel where it applies. Prepared in session 8 and
+# compiled for sm_90 on the CPU only: on nowhere until its GPU test has passed and the H200 has timed it.
+FWD_HOPPER_HEAD_DIMS = ()
+FWD_HOPPER_STAGES = 2
+
+
+def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
+                device) -> bool:
+    """Whether the forward comes from fwd_hopper's Gluon kernel: FWD_HOPPER_HEAD_DIMS or TUNE["fwd_hopper"], and
+    the input is the Gluon kernels' case (_hopper_case; the forward always quantizes to e4m3 and has no LSE2)."""
+    return bool(TUNE.get("fwd_hopper", d in FWD_HOPPER_HEAD_DIMS)) and _hopper_case(
+        fp8=fp8, e4m3=True, dqk=dqk, dv=dv, block=block, varlen=varlen, window=window, n=n, m=m, device=device,
+        lse2_in=True, p_shift=8)
 
 
 def _dkdv_hopper(d: int, **case) -> bool:

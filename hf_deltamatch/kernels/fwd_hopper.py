@@ -1,0 +1,149 @@
+"""The forward on Hopper, written in Gluon: one TMA warp feeding two independent MMA warpgroups. PREPARED: on
+nowhere by default (launch.FWD_HOPPER_HEAD_DIMS) until the H200 has run its GPU test and timed it.
+
+The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case
+(launch._hopper_case): fp8, Dqk = Dv in (64, 128), no varlen, no window, N = M a multiple of 128. A program
+covers 128 queries, 64 per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for
+both. Per key tile of 128 keys, in one warpgroup (rows r0 .. r0+63):
+    S = q8 k8^T                                               (async)
+    m' = max(m, rowmax(S) * f),  f = sq sk scale log2e         (f > 0: rowmax(S) f = rowmax(S f) exactly)
+    P * 256 = exp2(S f - m' + 8),  alpha = exp2(m - m'),  l = l alpha + rowsum(P * 256)
+    O = O * alpha * (c / c') + (P * 256)8 v8,  c' = sv / 256   (O is kept in units of the last tile's c')
+and at the end O * c / (l / 256), LSE = (m + log2(l / 256)) ln 2. The Triton kernel's values and roundings.
+Gluon has no interpreter; tests/test_kernels_gpu.py::test_fwd_hopper_kernel holds it to `_fwd_kernel`.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from ._gluon import BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _grid_ids, _ring_barriers
+
+QUERIES_PER_PROGRAM = 2 * QUERIES_PER_TILE  # two warpgroups of 64 queries
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, q_row, kv_row, vt_row, n_k,
+            STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for j in range(n_k):
+        s = j % STAGES
+        # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
+        tma.async_copy_global_to_shared(vt_desc, [vt_row, j * BLOCK_N], bar, vt_smem.index(s))
+
+
+@gluon.jit
+def _online_softmax(qk, f, m_i, l_i, keys, rows, MASK: gl.constexpr):
+    """(P * 256, alpha, l, m) of one tile; MASK: the causal diagonal tile. Called from both branches of the
+    diagonal test, so that each is straight-line code (a branch between the multiply and the subtract keeps
+    them from fusing into one FFMA per score)."""
+    if MASK:
+        qk = gl.where(keys[None, :] <= rows[:, None], qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * f)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: P = 0
+    p256 = gl.exp2(qk * f - (m_safe - 8.0)[:, None])  # the static P scale 256 in the exponent
+    alpha = gl.exp2(m_i - m_safe)
+    return p256, alpha, l_i * alpha + gl.sum(p256, 1), m_new
+
+
+@gluon.jit
+def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, row_f, row0, r0, kv_row, n_k,
+                   WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 32])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_sub = q_smem.slice(WG * 64, 64)
+    rows = r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))  # this warpgroup's queries
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    c_acc = row_f * 0.0 + 1.0  # acc's unit: sv / 256 of the last key tile
+    s_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # fresh accumulator (use_acc=False), carried
+    mbarrier.wait(q_bar, 0)
+    for j in range(n_k):
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+        f = row_f * gl.load(SK + kv_row + j * BLOCK_N)  # sk, sv: one scale per key tile
+        c = gl.load(SV + kv_row + j * BLOCK_N) * (1.0 / 256.0)
+        s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        if CAUSAL:
+            if j == n_k - 1:  # the program's diagonal key tile (N = M: top-left = bottom-right)
+                p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, True)
+            else:
+                p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
+        else:
+            p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
+        # the rows of S's and O's MMA layouts sit in the same threads: the conversion moves nothing
+        acc = acc * gl.convert_layout(alpha * (c_acc / c), orow_layout)[:, None]
+        c_acc = c
+        p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
+        acc = warpgroup_mma(p8, vt_smem.index(s).permute((1, 0)), acc, is_async=True)
+        # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index(s))
+    l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
+    has = l_i > 0.0
+    l_safe = gl.where(has, l_i, 1.0)
+    out = acc * gl.convert_layout(c_acc / l_safe, orow_layout)[:, None]
+    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    orows = row0 + r0 + gl.arange(0, BLOCK_M, orow_layout)
+    ocols = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
+    gl.store(O + orows.to(gl.int64)[:, None] * HEAD_D + ocols[None, :], out.to(O.dtype.element_ty))
+    gl.store(LSE + row0 + rows, lse)
+
+
+@gluon.jit
+def _fwd_hopper_kernel(
+    q_desc, k_desc, vt_desc, SQ, SK, SV, O, LSE, Hq, Hkv, N, softmax_scale, n_tiles, head_group,
+    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+):
+    t, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hq + h
+    pid_m = n_tiles - 1 - t  # heaviest (last, under causal) query blocks first, as forward._fwd_kernel
+    b = pid_bh // Hq
+    hk = (pid_bh % Hq) // GROUPS
+    q0 = pid_m * (2 * BLOCK_M)
+    row0 = pid_bh * N  # this head's rows in the (B*Hq*N, D) views of q8 and O and in sq, LSE
+    kv_row = (b * Hkv + hk) * N  # the KV head's rows in the (B*Hkv*M, D) view of k8 and in sk, sv
+    n_k = N // BLOCK_N
+    if CAUSAL:
+        n_k = (q0 + 2 * BLOCK_M) // BLOCK_N  # key tiles up to the program's diagonal one
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    ready, empty = _ring_barriers(STAGES)
+
+    # one quantization tile holds each warpgroup's 64 rows: a scalar score factor per warpgroup
+    f0 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + q0)
+    f1 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + q0 + BLOCK_M)
+    gl.warp_specialize([
+        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f0, row0, q0, kv_row, n_k,
+                          0, HEAD_D, STAGES, CAUSAL)),
+        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f1, row0, q0 + BLOCK_M,
+                          kv_row, n_k, 1, HEAD_D, STAGES, CAUSAL)),
+        (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, row0 + q0, kv_row,
+                   (b * Hkv + hk) * HEAD_D, n_k, STAGES)),
+    ], [4, 1], [240, 24])
+
+
+def fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, *, causal, softmax_scale, grid, n_tiles, head_group, stages):
+    """Launch `_fwd_hopper_kernel` (shapes checked by launch._fwd_hopper; grid over N // 128 query blocks)."""
+    B, Hq, N, D = q8.shape
+    Hkv = k8.shape[1]
+    _fwd_hopper_kernel[grid](
+        _desc(q8, [QUERIES_PER_PROGRAM, D]), _desc(k8, [KEYS_PER_PROGRAM, D]), _desc(v8t, [D, KEYS_PER_PROGRAM]),
+        sq, sk, sv, out, lse, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group,
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), num_warps=4,
+    )
