@@ -82,67 +82,46 @@ def strides(fn, constexprs):
     return unit, [a for a in names if a not in unit]
 
 
-def hopper_signature(d):
-    """(signature, attrs) of dkdv_hopper's Gluon kernel: descriptors with their boxes and shared layouts."""
+def gluon_signature(fn, constexprs, d):
+    """(signature, attrs) of one of the Gluon kernels (kernels/*_hopper.py) at head dim d: TMA descriptors by their
+    boxes (a program's queries, keys or one query tile, by d, or d by them) and shared layouts; fp32 pointers for
+    the scale and row arrays; the outputs bf16."""
     from hf_deltamatch.kernels import _gluon as H
 
     def desc(rows, cols):
         return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout([rows, cols])!r}>"
-    n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
-    from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel as fn
-    sig = {"k_desc": desc(n, d), "v_desc": desc(n, d), "q_desc": desc(m, d), "do_desc": desc(m, d),
-           "qt_desc": desc(d, m), "dot_desc": desc(d, m), "DK": "*bf16", "DV": "*bf16", "softmax_scale": "fp32",
-           "lse_desc": f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>",
-           "delta_desc": f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>",
-           **{a: "*fp32" for a in ("SQ", "SK", "SV", "SDO", "DSS")},
-           **{a: "constexpr" for a in ("GROUPS", "HEAD_D", "STAGES", "CAUSAL")}}
-    sig.update({a: "i32" for a in fn.arg_names if a not in sig})
+    n, m, qp = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE, 2 * H.QUERIES_PER_TILE
+    boxes = {  # per kernel: descriptor -> box
+        "_bwd_dkdv_hopper_kernel": {"k_desc": (n, d), "v_desc": (n, d), "q_desc": (m, d), "do_desc": (m, d),
+                                    "qt_desc": (d, m), "dot_desc": (d, m)},
+        "_bwd_dq_hopper_kernel": {"q_desc": (qp, d), "do_desc": (qp, d), "k_desc": (n, d), "v_desc": (n, d),
+                                  "kt_desc": (d, n)},
+        "_fwd_hopper_kernel": {"q_desc": (qp, d), "k_desc": (n, d), "vt_desc": (d, n)},
+    }[fn.__name__]
+    sig = {}
+    for a in fn.arg_names:
+        if a in constexprs:
+            sig[a] = "constexpr"
+        elif a in boxes:
+            sig[a] = desc(*boxes[a])
+        elif a in ("lse_desc", "delta_desc"):
+            sig[a] = f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>"
+        elif a in ("O", "DQ", "DK", "DV"):
+            sig[a] = "*bf16"
+        elif a == "softmax_scale":
+            sig[a] = "fp32"
+        elif a.isupper() and a != "N":
+            sig[a] = "*fp32"
+        else:
+            sig[a] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a][0] == "*" or a == "N"}
     return sig, attrs
-
-
-def hopper_dq_signature(d):
-    """(signature, attrs) of dq_hopper's Gluon kernel."""
-    from hf_deltamatch.kernels import _gluon as H
-    from hf_deltamatch.kernels.dq_hopper import QUERIES_PER_PROGRAM, _bwd_dq_hopper_kernel as fn
-
-    def desc(rows, cols):
-        return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout([rows, cols])!r}>"
-    n, m = H.KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM
-    sig = {"q_desc": desc(m, d), "do_desc": desc(m, d), "k_desc": desc(n, d), "v_desc": desc(n, d),
-           "kt_desc": desc(d, n), "DQ": "*bf16", "softmax_scale": "fp32",
-           **{a: "*fp32" for a in ("SQ", "SK", "SV", "SDO", "LSE", "DELTA", "LSE2", "DSS", "RS", "RA")},
-           **{a: "constexpr" for a in ("GROUPS", "HEAD_D", "STAGES", "CAUSAL", "SCALE_AFTER_SUM", "FMAX", "POW2",
-                                       "ROW_SUMS")}}
-    sig.update({a: "i32" for a in fn.arg_names if a not in sig})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a][0] == "*" or a == "N"}
-    return sig, attrs
-
-
-def hopper_fwd_signature(d):
-    """(signature, attrs) of fwd_hopper's Gluon kernel."""
-    from hf_deltamatch.kernels import _gluon as H
-    from hf_deltamatch.kernels.fwd_hopper import QUERIES_PER_PROGRAM, _fwd_hopper_kernel as fn
-
-    def desc(rows, cols):
-        return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout([rows, cols])!r}>"
-    n, m = H.KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM
-    sig = {"q_desc": desc(m, d), "k_desc": desc(n, d), "vt_desc": desc(d, n), "O": "*bf16", "softmax_scale": "fp32",
-           **{a: "*fp32" for a in ("SQ", "SK", "SV", "LSE")},
-           **{a: "constexpr" for a in ("GROUPS", "HEAD_D", "STAGES", "CAUSAL")}}
-    sig.update({a: "i32" for a in fn.arg_names if a not in sig})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a][0] == "*" or a == "N"}
-    return sig, attrs
-
-
-GLUON_SIGNATURES = {"_bwd_dkdv_hopper_kernel": hopper_signature, "_bwd_dq_hopper_kernel": hopper_dq_signature,
-                    "_fwd_hopper_kernel": hopper_fwd_signature}
 
 
 def usage(fn, constexprs, warps, stages, maxnreg=None):
-    if fn.__name__ in GLUON_SIGNATURES:
+    if fn.__name__.endswith("_hopper_kernel"):
         from triton.experimental.gluon._runtime import GluonASTSource
-        sig, attrs = GLUON_SIGNATURES[fn.__name__](constexprs["HEAD_D"])
+        sig, attrs = gluon_signature(fn, constexprs, constexprs["HEAD_D"])
         src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     else:
         sig, attrs = signature(fn, constexprs)

@@ -14,6 +14,18 @@ BLOCK_M = gl.constexpr(QUERIES_PER_TILE)
 ROW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
 
 
+@gluon.constexpr_function
+def mma_layout(n):
+    """The accumulator layout of one warpgroup's wgmma over a 64 x n tile (64 rows: 4 warps x 16)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32])
+
+
+@gluon.constexpr_function
+def fp8_a_layout(parent):
+    """The register layout of an fp8 A operand (P8, dS8) of a wgmma accumulating in `parent`."""
+    return gl.DotOperandLayout(operand_index=0, parent=parent, k_width=4)
+
+
 def _layout(block):
     return gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
 

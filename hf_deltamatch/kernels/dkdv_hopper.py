@@ -29,6 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _ring_barriers, _row_desc,
+    fp8_a_layout, mma_layout,
 )
 
 
@@ -63,11 +64,9 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                    SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, FOLD: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 32])
-    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 32])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=4)
+    s_layout: gl.constexpr = mma_layout(BLOCK_M)
+    d_layout: gl.constexpr = mma_layout(HEAD_D)
+    a_layout: gl.constexpr = fp8_a_layout(d_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     kb = n0 + WG * 64  # this warpgroup's first key
     k_sub = k_smem.slice(WG * 64, 64)

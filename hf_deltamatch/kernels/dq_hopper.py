@@ -19,7 +19,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from ._gluon import BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _grid_ids, _ring_barriers
+from ._gluon import (
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _grid_ids, _ring_barriers, fp8_a_layout, mma_layout,
+)
 
 QUERIES_PER_PROGRAM = 2 * QUERIES_PER_TILE  # two warpgroups of 64 queries
 
@@ -51,11 +53,9 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
                    SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
                    dss_tk, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 32])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=4)
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    d_layout: gl.constexpr = mma_layout(HEAD_D)
+    a_layout: gl.constexpr = fp8_a_layout(d_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_sub = q_smem.slice(WG * 64, 64)
     do_sub = do_smem.slice(WG * 64, 64)

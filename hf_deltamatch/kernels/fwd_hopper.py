@@ -17,7 +17,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from ._gluon import BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _grid_ids, _ring_barriers
+from ._gluon import (
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _grid_ids, _ring_barriers, fp8_a_layout, mma_layout,
+)
 
 QUERIES_PER_PROGRAM = 2 * QUERIES_PER_TILE  # two warpgroups of 64 queries
 
@@ -54,11 +56,9 @@ def _online_softmax(qk, f, m_i, l_i, keys, rows, MASK: gl.constexpr):
 @gluon.jit
 def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, row_f, row0, r0, kv_row, n_k,
                    WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 32])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    o_layout: gl.constexpr = mma_layout(HEAD_D)
+    a_layout: gl.constexpr = fp8_a_layout(o_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_sub = q_smem.slice(WG * 64, 64)
     rows = r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))  # this warpgroup's queries
