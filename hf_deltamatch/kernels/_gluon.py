@@ -66,3 +66,19 @@ def _ring_barriers(STAGES: gl.constexpr):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # one arrive per MMA warpgroup
     return ready, empty
+
+
+@gluon.jit
+def _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS: gl.constexpr, CAUSAL: gl.constexpr):
+    """(KV head b * Hkv + hk, first query, query head b * Hq + h, key tiles) of a query-major program of two
+    warpgroups' queries (fwd_hopper, dq_hopper): the heaviest (last, under causal) query blocks first, as the
+    Triton kernels."""
+    t, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hq + h
+    pid_m = n_tiles - 1 - t
+    b = pid_bh // Hq
+    hk = (pid_bh % Hq) // GROUPS
+    q0 = pid_m * (2 * BLOCK_M)
+    n_k = N // BLOCK_N
+    if CAUSAL:
+        n_k = (q0 + 2 * BLOCK_M) // BLOCK_N  # key tiles up to the program's diagonal one (N = M)
+    return b * Hkv + hk, q0, pid_bh, n_k

@@ -20,7 +20,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
-    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _grid_ids, _ring_barriers, fp8_a_layout, mma_layout,
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _query_program, _ring_barriers, fp8_a_layout, mma_layout,
 )
 
 QUERIES_PER_PROGRAM = 2 * QUERIES_PER_TILE  # two warpgroups of 64 queries
@@ -147,16 +147,9 @@ def _bwd_dq_hopper_kernel(
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
 ):
-    t, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hq + h
-    pid_m = n_tiles - 1 - t  # heaviest (last, under causal) query blocks first, as backward._bwd_dq_kernel
-    b = pid_bh // Hq
-    hk = (pid_bh % Hq) // GROUPS
-    q0 = pid_m * (2 * BLOCK_M)
+    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS, CAUSAL)
     row0 = pid_bh * N  # this head's rows in the (B*Hq*N,) row arrays and the (B*Hq*N, D) view of q8, dO8, dQ
-    kv_row = (b * Hkv + hk) * N  # the KV head's rows in the (B*Hkv*M, D) views of k8, v8 and in sk, sv
-    n_k = N // BLOCK_N
-    if CAUSAL:
-        n_k = (q0 + 2 * BLOCK_M) // BLOCK_N  # key tiles up to the program's diagonal one
+    kv_row = kvh * N  # the KV head's rows in the (B*Hkv*M, D) views of k8, v8 and in sk, sv
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
@@ -176,7 +169,7 @@ def _bwd_dq_hopper_kernel(
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
                           dss_tk, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
-                   empty, row0 + q0, kv_row, (b * Hkv + hk) * HEAD_D, n_k, STAGES, HEAD_D)),
+                   empty, row0 + q0, kv_row, kvh * HEAD_D, n_k, STAGES, HEAD_D)),
     ], [4, 1], [240, 24])
 
 

@@ -18,7 +18,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
-    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _grid_ids, _ring_barriers, fp8_a_layout, mma_layout,
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _query_program, _ring_barriers, fp8_a_layout, mma_layout,
 )
 
 QUERIES_PER_PROGRAM = 2 * QUERIES_PER_TILE  # two warpgroups of 64 queries
@@ -107,16 +107,9 @@ def _fwd_hopper_kernel(
     q_desc, k_desc, vt_desc, SQ, SK, SV, O, LSE, Hq, Hkv, N, softmax_scale, n_tiles, head_group,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
 ):
-    t, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hq + h
-    pid_m = n_tiles - 1 - t  # heaviest (last, under causal) query blocks first, as forward._fwd_kernel
-    b = pid_bh // Hq
-    hk = (pid_bh % Hq) // GROUPS
-    q0 = pid_m * (2 * BLOCK_M)
+    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS, CAUSAL)
     row0 = pid_bh * N  # this head's rows in the (B*Hq*N, D) views of q8 and O and in sq, LSE
-    kv_row = (b * Hkv + hk) * N  # the KV head's rows in the (B*Hkv*M, D) view of k8 and in sk, sv
-    n_k = N // BLOCK_N
-    if CAUSAL:
-        n_k = (q0 + 2 * BLOCK_M) // BLOCK_N  # key tiles up to the program's diagonal one
+    kv_row = kvh * N  # the KV head's rows in the (B*Hkv*M, D) views of k8, v8 and in sk, sv
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -134,7 +127,7 @@ def _fwd_hopper_kernel(
         (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f1, row0, q0 + BLOCK_M,
                           kv_row, n_k, 1, HEAD_D, STAGES, CAUSAL)),
         (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, row0 + q0, kv_row,
-                   (b * Hkv + hk) * HEAD_D, n_k, STAGES)),
+                   kvh * HEAD_D, n_k, STAGES)),
     ], [4, 1], [240, 24])
 
 
