@@ -147,11 +147,6 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
     d = max(dqk, dv)
-    tma = _use_tma("fwd", fp8, dqk, dv, aligned)
-    BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
-    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
-    if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
-        qa, ka, va = _desc(q8, BLOCK_M, bdqk), _desc(k8, T, bdqk), _desc(v8t, T, bdv)
     if fp8 and all(t.is_contiguous() for t in (q8, k8)) and _fwd_hopper(
             d, fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen, window=window if causal else None, n=N, m=M,
             device=q.device):
@@ -161,6 +156,11 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
                    n_tiles=n_tiles, head_group=head_group,
                    stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)))
         return out, lse, q8, k8, v8, sq, sk, sv
+    tma = _use_tma("fwd", fp8, dqk, dv, aligned)
+    BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
+    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
+    if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
+        qa, ka, va = _desc(q8, BLOCK_M, bdqk), _desc(k8, T, bdqk), _desc(v8t, T, bdv)
     dummy = lse
     grid, n_tiles, head_group = _grid("fwd", triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq, bool(causal))
     _fwd_kernel[grid](
@@ -252,9 +252,6 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         ka, kta, va = ks, ks, vs
         if fp8:
             k8t = kta = token_major(k8)
-        if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
-            ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
-        o_arg = out if stale else do
         if hopper_dq:
             from .dq_hopper import QUERIES_PER_PROGRAM, dq_hopper
             grid, n_tiles, head_group = _grid("dq", N // QUERIES_PER_PROGRAM, B * Hq, nseq, bool(causal))
@@ -263,6 +260,9 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                       head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
                       pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, **_dq_hopper_cfg())
         else:
+            if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
+                ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
+            o_arg = out if stale else do
             grid, n_tiles, head_group = _grid("dq", triton.cdiv(max_n, dq_m), B * Hq, nseq, bool(causal))
             _bwd_dq_kernel[grid](
                 qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, lse2, rs, ra, dss,
@@ -281,9 +281,6 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         qa, qta, doa_, dota = qs, qs, doa, doa
         if fp8:
             q8t, do8t = qta, dota = token_major(q8), token_major(do8)
-        if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
-            qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
-            doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
         if hopper:
             from .dkdv_hopper import KEYS_PER_PROGRAM, dkdv_hopper
             grid, n_tiles, head_group = _grid("dkdv", M // KEYS_PER_PROGRAM, B * Hkv, nseq, bool(causal))
@@ -291,6 +288,9 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                         head_group=head_group, **_dkdv_hopper_cfg())
             return _ret()
+        if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
+            qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
+            doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
         grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, kv_n), B * Hkv, nseq, bool(causal))
         for part in _dkdv_parts(d):
             _bwd_dkdv_kernel[grid](
