@@ -90,7 +90,7 @@ def gluon_signature(fn, constexprs, d):
 
     def desc(rows, cols):
         return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout([rows, cols])!r}>"
-    n, m, qp = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE, 2 * H.QUERIES_PER_TILE
+    n, m, qp = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE, H.QUERIES_PER_PROGRAM
     boxes = {  # per kernel: descriptor -> box
         "_bwd_dkdv_hopper_kernel": {"k_desc": (n, d), "v_desc": (n, d), "q_desc": (m, d), "do_desc": (m, d),
                                     "qt_desc": (d, m), "dot_desc": (d, m)},
@@ -239,8 +239,7 @@ def main():
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
             jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True,
-                                                           STAGES=int(K.TUNE.get("fwd_hopper_stages",
-                                                                                 K.FWD_HOPPER_STAGES))), 4, 1)
+                                                           STAGES=K._fwd_hopper_cfg()["stages"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))

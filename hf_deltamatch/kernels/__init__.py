@@ -28,7 +28,7 @@ from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
     _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
-    _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _grid, _use_tma, _wait_mma, FWD_HOPPER_STAGES,
+    _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid, _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
 
@@ -153,8 +153,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         from .fwd_hopper import QUERIES_PER_PROGRAM, fwd_hopper
         grid, n_tiles, head_group = _grid("fwd", N // QUERIES_PER_PROGRAM, B * Hq, nseq, bool(causal))
         fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid,
-                   n_tiles=n_tiles, head_group=head_group,
-                   stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)))
+                   n_tiles=n_tiles, head_group=head_group, **_fwd_hopper_cfg())
         return out, lse, q8, k8, v8, sq, sk, sv
     tma = _use_tma("fwd", fp8, dqk, dv, aligned)
     BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)

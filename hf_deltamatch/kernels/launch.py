@@ -231,6 +231,11 @@ def _dkdv_hopper_cfg() -> dict:
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)))
 
 
+def _fwd_hopper_cfg() -> dict:
+    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_STAGES or TUNE["fwd_hopper_stages"]."""
+    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)))
+
+
 def _dq_hopper_cfg() -> dict:
     """dq_hopper.dq_hopper's options: DQ_HOPPER_STAGES or TUNE["dq_hopper_stages"]."""
     return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)))
