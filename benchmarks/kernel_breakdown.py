@@ -63,7 +63,7 @@ def kernel_times(fn, iters=5):
     return out
 
 
-def run_shape(name, B, Hq, Hkv, N, D, causal, precision="fp8", delta="matching"):
+def run_shape(name, B, Hq, Hkv, N, D, causal, precision="fp8", delta="matching", fwd_only=False):
     cfg = DeltaMatchConfig(precision=precision, delta=delta)
     q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
@@ -73,8 +73,8 @@ def run_shape(name, B, Hq, Hkv, N, D, causal, precision="fp8", delta="matching")
     f = K.forward(q, k, v, **kw)
     fwd = lambda: K.forward(q, k, v, **kw)  # noqa: E731
     bwd = lambda: K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)  # noqa: E731
-    t_fwd, t_bwd = bench(fwd), bench(bwd)
-    kf, kb = kernel_times(fwd), kernel_times(bwd)
+    t_fwd, t_bwd = bench(fwd), (float("nan") if fwd_only else bench(bwd))
+    kf, kb = kernel_times(fwd), ({} if fwd_only else kernel_times(bwd))
     F = flops(B, Hq, N, D, causal)
     return dict(name=name, precision=precision, delta=delta, fwd_ms=t_fwd, bwd_ms=t_bwd, total_ms=t_fwd + t_bwd,
                 fwd_tflops=F / t_fwd / 1e9, total_tflops=3.5 * F / (t_fwd + t_bwd) / 1e9,
@@ -112,6 +112,7 @@ def main():
     p.add_argument("--variants", default="", help="semicolon-separated kernels.TUNE dicts to try on --variant-shapes; "
                    "'SHAPE=DICT' tries DICT on SHAPE only")
     p.add_argument("--variant-shapes", default="d128-causal")
+    p.add_argument("--variants-fwd-only", action="store_true", help="time only the forward of the variants")
     p.add_argument("--tag", default="", help="appended to the result files' names (e.g. the Triton version)")
     args = p.parse_args()
     rows, lines = [], _Lines()
@@ -150,7 +151,7 @@ def main():
         K.TUNE.clear()
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         try:
-            r = run_shape(vshape, *SHAPES[vshape])
+            r = run_shape(vshape, *SHAPES[vshape], fwd_only=args.variants_fwd_only)
             r["op"], r["tune"] = "dm-fp8-matching", var
             rows.append(r)
             kb = {k_[:14]: round(v_, 3) for k_, v_ in r["bwd_kernels"].items() if "_bwd" in k_}
