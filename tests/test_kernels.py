@@ -233,6 +233,27 @@ def test_token_major_copy_fused_or_separate(monkeypatch, cu):
     assert yt1.stride() == yt2.stride() and yt2.stride(2) == 1
 
 
+def test_token_major_k_order():
+    """token_major(k_order=True), the Gluon kernels' B operands (_gluon.fp8_operand): each group of 32 tokens in
+    k_order()'s order, a permutation that pairs each thread's accumulator columns (2q, 2q+1, 8+2q, 9+2q, ...) with
+    its fp8 operand's K values (4q .. 4q+3, 16+4q .. 19+4q)."""
+    Q = importlib.import_module("hf_deltamatch.kernels.quantize")
+    pos = Q.k_order(64)
+    assert sorted(pos.tolist()) == list(range(64)) and pos[32:].tolist() == (pos[:32] + 32).tolist()
+    for q in range(4):  # thread q's accumulator columns land on its operand's K values, in order
+        cols = [8 * g + 2 * q + e for g in range(4) for e in range(2)]
+        assert pos[cols].tolist() == [4 * q + i for i in range(4)] + [16 + 4 * q + i for i in range(4)]
+    g = torch.Generator().manual_seed(7)
+    x8 = torch.randn(2, 3, 96, 64, generator=g).to(torch.float8_e4m3fn).to(DEV)
+    yt = Q.token_major(x8, k_order=True)
+    assert yt.stride(2) == 1
+    want = torch.empty_like(x8.float())
+    want[:, :, Q.k_order(96).tolist()] = x8.float()
+    assert torch.equal(yt.float(), want)
+    with pytest.raises(ValueError, match="groups of 32"):
+        Q.token_major(x8[:, :, :40], k_order=True)
+
+
 def test_correction_pass_scale_after_sum():
     """The correction pass scaling each key tile's row sums of P * dP by the tile's dP scale instead of every dP
     (TUNE dq_scale_after_sum): the same contract, and the invariant still at fp32 rounding."""

@@ -128,10 +128,14 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
     qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q)
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k)
+    d = max(dqk, dv)
+    hopper = fp8 and _fwd_hopper(d, fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen,
+                                 window=window if causal else None, n=N, m=M, device=q.device)
     if fp8:
         q8, _, sq = quantize(q, **qkw)
         k8, _, sk = quantize(k, **kvw)
-        v8, v8t, sv = quantize(v, transposed=True, **kvw)
+        # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
+        v8, v8t, sv = quantize(v, transposed=True, k_order=hopper, **kvw)
         qa, ka, va = q8, k8, v8t  # the forward reads V token-major (K-major B operand of P8 @ V)
     else:
         q8, k8, v8 = (q.new_empty(0, dtype=torch.float8_e4m3fn) for _ in range(3))
@@ -146,10 +150,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             lse.fill_(float("-inf"))
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
-    d = max(dqk, dv)
-    if fp8 and all(t.is_contiguous() for t in (q8, k8)) and _fwd_hopper(
-            d, fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen, window=window if causal else None, n=N, m=M,
-            device=q.device):
+    if hopper:  # quantize() made q8, k8 contiguous
         from .fwd_hopper import QUERIES_PER_PROGRAM, fwd_hopper
         grid, n_tiles, head_group = _grid("fwd", N // QUERIES_PER_PROGRAM, B * Hq, nseq, bool(causal))
         fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid,
@@ -250,7 +251,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     if N > 0 and max_n > 0:
         ka, kta, va = ks, ks, vs
         if fp8:
-            k8t = kta = token_major(k8)
+            k8t = kta = token_major(k8, k_order=hopper_dq)  # the Gluon kernels' B operands: fp8_operand
         if hopper_dq:
             from .dq_hopper import QUERIES_PER_PROGRAM, dq_hopper
             grid, n_tiles, head_group = _grid("dq", N // QUERIES_PER_PROGRAM, B * Hq, nseq, bool(causal))
@@ -279,7 +280,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     if M > 0 and max_m > 0:
         qa, qta, doa_, dota = qs, qs, doa, doa
         if fp8:
-            q8t, do8t = qta, dota = token_major(q8), token_major(do8)
+            q8t, do8t = qta, dota = token_major(q8, k_order=hopper), token_major(do8, k_order=hopper)
         if hopper:
             from .dkdv_hopper import KEYS_PER_PROGRAM, dkdv_hopper
             grid, n_tiles, head_group = _grid("dkdv", M // KEYS_PER_PROGRAM, B * Hkv, nseq, bool(causal))

@@ -27,6 +27,20 @@ def fp8_a_layout(parent):
     return gl.DotOperandLayout(operand_index=0, parent=parent, k_width=4)
 
 
+@gluon.jit
+def fp8_operand(x, layout: gl.constexpr):
+    """The fp32 wgmma accumulator x (64 x n) as the fp8 A operand (`layout`, fp8_a_layout) of the next wgmma with
+    no data movement: its columns reordered within each group of 32 (column c = 16 g1 + 8 g0 + 2 q + e goes to
+    k = 16 g1 + 4 q + 2 g0 + e, K_ORDER), so that each thread's accumulator values are the operand values it
+    holds. The B operand's K rows must be stored in that order (quantize.token_major(k_order=True)); the plain
+    conversion costs 8 shuffles, 8 selects and 8 byte permutes per 64 x 64 tile."""
+    m: gl.constexpr = x.shape[0]
+    n: gl.constexpr = x.shape[1]
+    y = gl.reshape(x.to(gl.float8e4nv), [m, n // 32, 2, 2, 4, 2])
+    y = gl.reshape(gl.permute(y, (0, 1, 2, 4, 3, 5)), [m, n])
+    return gl.convert_layout(y, layout, assert_trivial=True)
+
+
 def _layout(block):
     return gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
 

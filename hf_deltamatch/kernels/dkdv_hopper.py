@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _ring_barriers, _row_desc,
-    fp8_a_layout, mma_layout,
+    fp8_a_layout, fp8_operand, mma_layout,
 )
 
 
@@ -83,8 +83,12 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     dss_col = n0 // BLOCK_N
     mbarrier.wait(kv_bar, 0)
     for t in range(GROUPS * n_q):
-        g = t // n_q
-        i = t - g * n_q
+        if GROUPS == 1:  # no integer division per tile (a dozen instructions and a MUFU.RCP)
+            g = 0
+            i = t
+        else:
+            g = t // n_q
+            i = t - g * n_q
         m0 = lo + i * BLOCK_M
         s = t % STAGES
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
@@ -106,10 +110,11 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             if i < 2:  # the two query tiles that cross this program's diagonal (N = M: top-left = bottom-right)
                 cols = m0 + gl.arange(0, BLOCK_M, col_layout)
                 p256 = gl.where(keys[:, None] <= cols[None, :], p256, 0.0)
-        cv = sdo_t * (1.0 / 256.0)
-        dv = dv * (c_dv / cv)
-        c_dv = cv
-        p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
+        if i % 2 == 0:  # odd tiles share their dO quantization tile (128 rows) with the one before: no rescale
+            cv = sdo_t * (1.0 / 256.0)
+            dv = dv * (c_dv / cv)
+            c_dv = cv
+        p8 = fp8_operand(p256, a_layout)
         dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
         dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
         ck = sds * sq_t
@@ -121,7 +126,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
         else:
             ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
-        ds8 = gl.convert_layout(ds_r.to(gl.float8e4nv), a_layout)
+        ds8 = fp8_operand(ds_r, a_layout)
         dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
         # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
         # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs

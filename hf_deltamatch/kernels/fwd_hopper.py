@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, fp8_a_layout,
-    mma_layout,
+    fp8_operand, mma_layout,
 )
 
 
@@ -91,7 +91,7 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
             s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
             # P of tile j-1 crosses the back edge in fp32: as fp8 its 64 bytes a thread would cross one a register
             # and be packed again with ~100 byte permutes per tile
-            p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
+            p8 = fp8_operand(p256, a_layout)  # vt_smem's keys in k_order
             acc = warpgroup_mma(p8, vt_smem.index(sp).permute((1, 0)), acc, is_async=True)
             f = row_f * gl.load(SK + kv_row + j * BLOCK_N)
             c = gl.load(SV + kv_row + j * BLOCK_N) * (1.0 / 256.0)
@@ -109,7 +109,7 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
             acc = acc * gl.convert_layout(alpha * (c_acc / c), orow_layout)[:, None]
             c_acc = c
         sp = (n_k - 1) % STAGES
-        p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
+        p8 = fp8_operand(p256, a_layout)  # vt_smem's keys in k_order
         acc = warpgroup_mma(p8, vt_smem.index(sp).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index(sp))
@@ -133,7 +133,7 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
             # the rows of S's and O's MMA layouts sit in the same threads: the conversion moves nothing
             acc = acc * gl.convert_layout(alpha * (c_acc / c), orow_layout)[:, None]
             c_acc = c
-            p8 = gl.convert_layout(p256.to(gl.float8e4nv), a_layout)
+            p8 = fp8_operand(p256, a_layout)  # vt_smem's keys in k_order
             acc = warpgroup_mma(p8, vt_smem.index(s).permute((1, 0)), acc, is_async=True)
             # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
             acc = warpgroup_mma_wait(0, deps=(acc, ))

@@ -35,6 +35,7 @@ def _quantize_kernel(
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr, VARLEN: tl.constexpr, INTERP: tl.constexpr,
+    K_ORDER: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -60,22 +61,29 @@ def _quantize_kernel(
         tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + rows[:, None] * syn + cols[None, :] * syd,
                  y, mask=mask)
     if WRITE_YT:
-        tl.store(YT + b.to(tl.int64) * stb + h.to(tl.int64) * sth + rows[:, None] * stn + cols[None, :] * std,
+        trows = rows
+        if K_ORDER:  # token_major(k_order=True)'s order (N a multiple of 32, no varlen)
+            c = rows & 31
+            trows = (rows - c) + ((c & 17) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1))
+        tl.store(YT + b.to(tl.int64) * stb + h.to(tl.int64) * sth + trows[:, None] * stn + cols[None, :] * std,
                  y, mask=mask)
     tl.store(S + pid_bh.to(tl.int64) * N + rows, tl.zeros([BLOCK_T], tl.float32) + scale, mask=rows < end)
 
 
 def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=None, row_major=True,
-             transposed=False):
+             transposed=False, k_order=False):
     """Quantize x (B, H, N, D) per `block`-token tile. Returns (y or None, yt or None, scale (B, H, N)).
 
     yt is a (B, H, N, D) view of a (B, H, D, N16) buffer (tokens contiguous, N rounded up to 16), written by the
-    kernel itself if FUSED_TOKEN_MAJOR, else copied from y by token_major().
+    kernel itself if FUSED_TOKEN_MAJOR, else copied from y by token_major(); k_order: its tokens in
+    token_major(k_order=True)'s order (the Gluon forward's V).
     Varlen: tokens outside every sequence get zeros and scale 1 (docs/numerics.md; TMA tiles read them).
     """
+    if k_order and (cu_seqlens is not None or x.shape[2] % 32):
+        raise ValueError("quantize(k_order=True) permutes groups of 32 tokens: no varlen, N a multiple of 32.")
     if transposed and not FUSED_TOKEN_MAJOR:
         y, _, scale = quantize(x, block, fmt, rounding, cu_seqlens, max_len, row_major=True)
-        return (y if row_major else None), token_major(y), scale
+        return (y if row_major else None), token_major(y, k_order), scale
     B, H, N, D = x.shape
     dt = FP8_TORCH[fmt]
     alloc = torch.zeros if cu_seqlens is not None else torch.empty
@@ -101,14 +109,14 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
         D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D),
         FMAX=FP8_MAX[fmt], E5M2=fmt == "e5m2", POW2=rounding == "pow2",
         WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=cu_seqlens is not None, INTERP=INTERPRET,
-        num_warps=8 if D > 128 else 4,
+        K_ORDER=bool(k_order), num_warps=8 if D > 128 else 4,
     )
     return y, yt, scale
 
 
 @triton.jit
 def _token_major_kernel(X, Y, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
-                        D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                        D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, K_ORDER: tl.constexpr):
     """Copy one (BLOCK_T, D) tile into token-major storage (the layout conversion goes through shared memory)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -120,17 +128,32 @@ def _token_major_kernel(X, Y, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
     rows = rows.to(tl.int64)
     x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
                 mask=mask)
+    if K_ORDER:  # token c of each group of 32 to position 16 g1 + 4 q + 2 g0 + e (c = 16 g1 + 8 g0 + 2 q + e)
+        c = rows & 31
+        rows = (rows - c) + ((c & 17) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1))
     tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + rows[:, None] * syn + cols[None, :] * syd,
              x, mask=mask)
 
 
-def token_major(x8):
-    """(B, H, N, D) fp8 -> the same logical tensor stored (B, H, D, N) (tokens contiguous)."""
+def k_order(n, device=None):
+    """The positions token_major(k_order=True) stores tokens 0 .. n-1 at (n a multiple of 32): within each group
+    of 32, the order in which a thread's wgmma accumulator columns are its fp8 A operand's K values
+    (_gluon.fp8_operand)."""
+    c = torch.arange(n, device=device)
+    w = c & 31
+    return (c - w) + ((w & 17) | (((w >> 1) & 3) << 2) | (((w >> 3) & 1) << 1))
+
+
+def token_major(x8, k_order=False):
+    """(B, H, N, D) fp8 -> the same logical tensor stored (B, H, D, N) (tokens contiguous). k_order: the tokens of
+    each group of 32 stored in the order of k_order() (N a multiple of 32), for the Gluon kernels' B operands."""
     B, H, N, D = x8.shape
+    if k_order and N % 32:
+        raise ValueError(f"token_major(k_order=True) permutes groups of 32 tokens; got N={N}.")
     n16 = -(-N // 16) * 16  # token stride padded to 16 bytes for TMA descriptors
     y = torch.empty((B, H, D, n16), dtype=x8.dtype, device=x8.device)[..., :N].transpose(-1, -2)
     if x8.numel():
         _token_major_kernel[(triton.cdiv(N, 128), B * H)](
             x8, y, *x8.stride(), *y.stride(), H, N, D=D, BLOCK_T=128, BLOCK_D=triton.next_power_of_2(D),
-            num_warps=4)
+            K_ORDER=bool(k_order), num_warps=4)
     return y
