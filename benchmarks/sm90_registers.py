@@ -230,7 +230,7 @@ def main():
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
             cfg = K._dkdv_hopper_cfg()
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=cfg["stages"],
-                                                            FOLD=cfg["fold"]), 4, 1)
+                                                            FOLD=cfg["fold"], DV_SKIP=cfg["dv_skip"]), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(

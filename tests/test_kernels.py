@@ -254,6 +254,25 @@ def test_token_major_k_order():
         Q.token_major(x8[:, :, :40], k_order=True)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_quantize_k_order(monkeypatch, fused):
+    """quantize(transposed=True, k_order=True), the Gluon forward's V: the row-major copy and the scales as
+    without k_order, the token-major copy in k_order() (written by the quantize kernel itself or by
+    token_major)."""
+    Q = importlib.import_module("hf_deltamatch.kernels.quantize")
+    monkeypatch.setattr(Q, "FUSED_TOKEN_MAJOR", fused)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 2, 192, 64, generator=g).to(torch.bfloat16).to(DEV)
+    y, yt, s = Q.quantize(x, 64, transposed=True, k_order=True)
+    y0, _, s0 = Q.quantize(x, 64)
+    assert torch.equal(y.float(), y0.float()) and torch.equal(s, s0)
+    want = torch.empty_like(y0.float())
+    want[:, :, Q.k_order(192).tolist()] = y0.float()
+    assert torch.equal(yt.float(), want) and yt.stride(2) == 1
+    with pytest.raises(ValueError, match="groups of 32"):
+        Q.quantize(x[:, :, :100], 64, transposed=True, k_order=True)
+
+
 def test_correction_pass_scale_after_sum():
     """The correction pass scaling each key tile's row sums of P * dP by the tile's dP scale instead of every dP
     (TUNE dq_scale_after_sum): the same contract, and the invariant still at fp32 rounding."""

@@ -25,7 +25,7 @@ TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages",
-              "fwd_hopper_pipeline"}
+              "fwd_hopper_pipeline", "dkdv_hopper_dv_skip"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -231,7 +231,8 @@ def _dkdv_hopper(d: int, **case) -> bool:
 def _dkdv_hopper_cfg() -> dict:
     """dkdv_hopper.dkdv_hopper's options: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
-                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)))
+                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
+                dv_skip=bool(TUNE.get("dkdv_hopper_dv_skip", True)))
 
 
 def _fwd_hopper_cfg() -> dict:

@@ -26,6 +26,13 @@ FUSED_TOKEN_MAJOR = triton.__version__.startswith("3.6.")
 
 
 @triton.jit
+def _k_order_source(k):
+    """The token at position k of token_major(k_order=True): the inverse of k_order()."""
+    w = k & 31
+    return (k - w) + ((w & 17) | (((w >> 1) & 1) << 3) | (((w >> 2) & 3) << 1))
+
+
+@triton.jit
 def _quantize_kernel(
     X, Y, YT, S, CU,
     sxb, sxh, sxn, sxd,
@@ -52,20 +59,19 @@ def _quantize_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < end) & (cols[None, :] < D)
     rows = rows.to(tl.int64)  # packed varlen batches: token * stride can pass 2^31
-    x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
+    src = rows
+    if K_ORDER:  # the tile's rows in token_major(k_order=True)'s order (the amax does not care): the token-major
+        src = _k_order_source(rows)  # copy is stored in order, the row-major one at the rows it came from
+    x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
                 mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     scale = tile_scale(amax, FMAX, POW2)
     y = to_fp8(x / scale, E5M2, INTERP)
     if WRITE_Y:
-        tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + rows[:, None] * syn + cols[None, :] * syd,
+        tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + src[:, None] * syn + cols[None, :] * syd,
                  y, mask=mask)
     if WRITE_YT:
-        trows = rows
-        if K_ORDER:  # token_major(k_order=True)'s order (N a multiple of 32, no varlen)
-            c = rows & 31
-            trows = (rows - c) + ((c & 17) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1))
-        tl.store(YT + b.to(tl.int64) * stb + h.to(tl.int64) * sth + trows[:, None] * stn + cols[None, :] * std,
+        tl.store(YT + b.to(tl.int64) * stb + h.to(tl.int64) * sth + rows[:, None] * stn + cols[None, :] * std,
                  y, mask=mask)
     tl.store(S + pid_bh.to(tl.int64) * N + rows, tl.zeros([BLOCK_T], tl.float32) + scale, mask=rows < end)
 
@@ -126,11 +132,12 @@ def _token_major_kernel(X, Y, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < N) & (cols[None, :] < D)
     rows = rows.to(tl.int64)
-    x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + rows[:, None] * sxn + cols[None, :] * sxd,
+    src = rows
+    if K_ORDER:  # position k = 16 g1 + 4 q + 2 g0 + e of each group of 32 takes token 16 g1 + 8 g0 + 2 q + e;
+        # permuted on the load side, whose rows are D contiguous bytes: the token-major store stays coalesced
+        src = _k_order_source(rows)
+    x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
                 mask=mask)
-    if K_ORDER:  # token c of each group of 32 to position 16 g1 + 4 q + 2 g0 + e (c = 16 g1 + 8 g0 + 2 q + e)
-        c = rows & 31
-        rows = (rows - c) + ((c & 17) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1))
     tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + rows[:, None] * syn + cols[None, :] * syd,
              x, mask=mask)
 
