@@ -18,14 +18,12 @@ from ._fp8 import INTERPRET
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
-# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
-# "fwd_hopper_pipeline": True / False (its loop with tile j-1's PV under tile j's softmax)}.
+# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages",
-              "fwd_hopper_pipeline", "dkdv_hopper_dv_skip"}
+              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -184,9 +182,11 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
 # dq_hopper.py: a TMA warp and two independent MMA warpgroups, asynchronous wgmmas) wherever they apply
 # (_hopper_case). H200, N=8192, kernel ms against the Triton kernels in the same run (session 8, runs 0027 and
 # 0034): dK/dV at D=128 causal 2.06 -> 1.51 (fold, 3 stages; 1.55 with 2 stages, no fold), full 3.61 -> 3.05,
-# GQA 2.34 -> 1.46; at D=64 2.40 -> 2.40 (fold, 3 stages) / 2.55, so not there. dQ at D=128 causal 1.685 ->
-# 1.518 (3 stages), full 3.14 -> 2.88, GQA 1.67 -> 1.50; at D=64 2.57 -> 2.68, so not there.
-DKDV_HOPPER_HEAD_DIMS = (128,)
+# GQA 2.34 -> 1.46; dQ at D=128 causal 1.685 -> 1.518 (3 stages), full 3.14 -> 2.88, GQA 1.67 -> 1.50. With the
+# fp8 operands taken from the accumulators as they are (_gluon.fp8_operand, session 9, runs 0148 and 0156): dK/dV
+# 1.49 at D=128 causal, 2.78 full, 1.47 GQA, and at D=64 2.03 vs the Triton kernel's 2.42 (so now on there too);
+# dQ 1.48, 2.83, 1.47, and at D=64 2.65 vs 2.57 (so not there).
+DKDV_HOPPER_HEAD_DIMS = (64, 128)
 DKDV_HOPPER_STAGES = 3
 DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta: 1.55 -> 1.51 ms at D=128 causal with 3 stages
 DQ_HOPPER_HEAD_DIMS = (128,)
@@ -206,11 +206,12 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
             and torch.cuda.get_device_capability(device) == (9, 0) and triton.__version__.startswith("3.6"))
 
 
-# Head dims at which the forward comes from fwd_hopper's Gluon kernel where it applies. Prepared in session 8 and
-# compiled for sm_90 on the CPU only: on nowhere until its GPU test has passed and the H200 has timed it.
-FWD_HOPPER_HEAD_DIMS = ()
+# Head dims at which the forward comes from fwd_hopper's Gluon kernel where it applies (_hopper_case). H200,
+# N=8192, kernel ms against _fwd_kernel in the same run (session 9, run 0156): D=128 causal 0.775 -> 0.754, full
+# 1.469 -> 1.436, GQA 0.786 -> 0.747 (2 stages; 3 stages the same); at D=64 1.10 -> 1.41 (_fwd_kernel runs three
+# programs per SM there, the Gluon kernel one of two warpgroups), so not there.
+FWD_HOPPER_HEAD_DIMS = (128,)
 FWD_HOPPER_STAGES = 2
-FWD_HOPPER_PIPELINE = False
 
 
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
@@ -231,14 +232,12 @@ def _dkdv_hopper(d: int, **case) -> bool:
 def _dkdv_hopper_cfg() -> dict:
     """dkdv_hopper.dkdv_hopper's options: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
-                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
-                dv_skip=bool(TUNE.get("dkdv_hopper_dv_skip", True)))
+                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)))
 
 
 def _fwd_hopper_cfg() -> dict:
-    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_* or TUNE["fwd_hopper_<option>"]."""
-    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)),
-                pipeline=bool(TUNE.get("fwd_hopper_pipeline", FWD_HOPPER_PIPELINE)))
+    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_STAGES or TUNE["fwd_hopper_stages"]."""
+    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)))
 
 
 def _dq_hopper_cfg() -> dict:
