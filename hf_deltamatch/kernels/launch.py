@@ -18,12 +18,14 @@ from ._fp8 import INTERPRET
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
-# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward}.
+# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
+# "fwd_hopper_pingpong": True / False (FA3's schedule in the Gluon forward, see fwd_hopper._mma_partition)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages"}
+              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages",
+              "fwd_hopper_pingpong"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -212,6 +214,7 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
 # programs per SM there, the Gluon kernel one of two warpgroups), so not there.
 FWD_HOPPER_HEAD_DIMS = (128,)
 FWD_HOPPER_STAGES = 2
+FWD_HOPPER_PINGPONG = False
 
 
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
@@ -236,8 +239,9 @@ def _dkdv_hopper_cfg() -> dict:
 
 
 def _fwd_hopper_cfg() -> dict:
-    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_STAGES or TUNE["fwd_hopper_stages"]."""
-    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)))
+    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_* or TUNE["fwd_hopper_<option>"]."""
+    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)),
+                pingpong=bool(TUNE.get("fwd_hopper_pingpong", FWD_HOPPER_PINGPONG)))
 
 
 def _dq_hopper_cfg() -> dict:
