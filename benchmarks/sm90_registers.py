@@ -238,9 +238,8 @@ def main():
                 SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
-            cfg = K._fwd_hopper_cfg()
-            jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=cfg["stages"],
-                                                           PINGPONG=cfg["pingpong"]), 4, 1)
+            jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True,
+                                                           STAGES=K._fwd_hopper_cfg()["stages"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))

@@ -1,6 +1,8 @@
 """What the Gluon kernels for Hopper (dkdv_hopper.py, dq_hopper.py) share: tile sizes, TMA descriptors over our
 FP8 and row tensors, the grid order. Written against Triton 3.6's Gluon API (launch._dkdv_hopper checks)."""
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
@@ -41,8 +43,10 @@ def fp8_operand(x, layout: gl.constexpr):
     return gl.convert_layout(y, layout, assert_trivial=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _layout(block):
-    return gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    """The shared-memory layout of an fp8 TMA box (cached: building it costs ~20 us of host time per launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv)
 
 
 def _desc(x, block):
@@ -50,8 +54,8 @@ def _desc(x, block):
     token-major one (kernels.quantize.token_major: (B, H, D, N16) storage)."""
     B, H, N, D = x.shape
     if x.stride(2) == 1:
-        return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], block, _layout(block))
-    return TensorDescriptor(x, [B * H * N, D], [D, 1], block, _layout(block))
+        return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], block, _layout(tuple(block)))
+    return TensorDescriptor(x, [B * H * N, D], [D, 1], block, _layout(tuple(block)))
 
 
 def _row_desc(x, box=QUERIES_PER_TILE):

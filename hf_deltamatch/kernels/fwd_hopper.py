@@ -54,9 +54,8 @@ def _online_softmax(qk, f, m_i, l_i, keys, rows, MASK: gl.constexpr):
 
 
 @gluon.jit
-def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, turn, SK, SV, O, LSE, row_f, row0, r0, kv_row,
-                   n_k, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   PINGPONG: gl.constexpr):
+def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, row_f, row0, r0, kv_row, n_k,
+                   WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_D)
     a_layout: gl.constexpr = fp8_a_layout(o_layout)
@@ -67,81 +66,31 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, turn, SK, SV, O
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     s_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # fresh accumulator (use_acc=False), carried
+    c_acc = row_f * 0.0 + 1.0  # acc's unit: sv / 256 of the last key tile
     mbarrier.wait(q_bar, 0)
-    if PINGPONG:
-        # FA3's schedule: tile j's QK^T and tile j-1's PV are issued together, and tile j's softmax runs under
-        # them; the warpgroups take turns to issue (turn[WG]), so that one's softmax runs under the other's
-        # MMAs. Both MMAs are waited for inside the iteration (nothing in flight across the back edge); P of
-        # tile j-1 crosses it in fp32 (as fp8, 64 single bytes a thread, repacked with ~100 byte permutes).
-        mbarrier.wait(ready.index(0), 0)
-        mbarrier.wait(turn.index(WG), WG ^ 1)  # warpgroup 0 goes first: a fresh barrier's parity 1 passes
-        s_acc = warpgroup_mma(q_sub, k_smem.index(0).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-        mbarrier.arrive(turn.index(1 - WG))
-        f = row_f * gl.load(SK + kv_row)
-        c_acc = gl.load(SV + kv_row) * (1.0 / 256.0)  # acc's unit: sv / 256 of the tile whose PV it last took
+    for j in range(n_k):
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
+        s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+        f = row_f * gl.load(SK + kv_row + j * BLOCK_N)  # sk, sv: one scale per key tile
+        c = gl.load(SV + kv_row + j * BLOCK_N) * (1.0 / 256.0)
         s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
-        keys = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         if CAUSAL:
-            if n_k == 1:
+            if j == n_k - 1:  # the program's diagonal key tile (N = M: top-left = bottom-right)
                 p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, True)
             else:
                 p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
         else:
             p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
-        for j in range(1, n_k):
-            s = j % STAGES
-            sp = (j - 1) % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            p8 = fp8_operand(p256, a_layout)
-            mbarrier.wait(turn.index(WG), (j & 1) ^ WG ^ 1)
-            s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-            acc = warpgroup_mma(p8, vt_smem.index(sp).permute((1, 0)), acc, is_async=True)
-            mbarrier.arrive(turn.index(1 - WG))
-            f = row_f * gl.load(SK + kv_row + j * BLOCK_N)
-            c = gl.load(SV + kv_row + j * BLOCK_N) * (1.0 / 256.0)
-            s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # QK^T only: wgmma groups complete in order
-            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-            if CAUSAL:
-                if j == n_k - 1:
-                    p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, True)
-                else:
-                    p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
-            else:
-                p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(empty.index(sp))  # tile j-1's k and v are both done with
-            acc = acc * gl.convert_layout(alpha * (c_acc / c), orow_layout)[:, None]
-            c_acc = c
-        sp = (n_k - 1) % STAGES
-        p8 = fp8_operand(p256, a_layout)
-        acc = warpgroup_mma(p8, vt_smem.index(sp).permute((1, 0)), acc, is_async=True)
+        # the rows of S's and O's MMA layouts sit in the same threads: the conversion moves nothing
+        acc = acc * gl.convert_layout(alpha * (c_acc / c), orow_layout)[:, None]
+        c_acc = c
+        p8 = fp8_operand(p256, a_layout)  # vt_smem's keys in k_order
+        acc = warpgroup_mma(p8, vt_smem.index(s).permute((1, 0)), acc, is_async=True)
+        # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index(sp))
-    else:
-        c_acc = row_f * 0.0 + 1.0  # acc's unit: sv / 256 of the last key tile
-        for j in range(n_k):
-            s = j % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-            f = row_f * gl.load(SK + kv_row + j * BLOCK_N)  # sk, sv: one scale per key tile
-            c = gl.load(SV + kv_row + j * BLOCK_N) * (1.0 / 256.0)
-            s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
-            keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-            if CAUSAL:
-                if j == n_k - 1:  # the program's diagonal key tile (N = M: top-left = bottom-right)
-                    p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, True)
-                else:
-                    p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
-            else:
-                p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
-            # the rows of S's and O's MMA layouts sit in the same threads: the conversion moves nothing
-            acc = acc * gl.convert_layout(alpha * (c_acc / c), orow_layout)[:, None]
-            c_acc = c
-            p8 = fp8_operand(p256, a_layout)  # vt_smem's keys in k_order
-            acc = warpgroup_mma(p8, vt_smem.index(s).permute((1, 0)), acc, is_async=True)
-            # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(empty.index(s))
+        mbarrier.arrive(empty.index(s))
     l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
     has = l_i > 0.0
     l_safe = gl.where(has, l_i, 1.0)
@@ -157,7 +106,6 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, turn, SK, SV, O
 def _fwd_hopper_kernel(
     q_desc, k_desc, vt_desc, SQ, SK, SV, O, LSE, Hq, Hkv, N, softmax_scale, n_tiles, head_group,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    PINGPONG: gl.constexpr,
 ):
     kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS, CAUSAL)
     row0 = pid_bh * N  # this head's rows in the (B*Hq*N, D) views of q8 and O and in sq, LSE
@@ -169,31 +117,26 @@ def _fwd_hopper_kernel(
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     ready, empty = _ring_barriers(STAGES)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: whose turn to issue
-    for w in gl.static_range(2):
-        mbarrier.init(turn.index(w), count=1)
 
     # one quantization tile holds each warpgroup's 64 rows: a scalar score factor per warpgroup
     f0 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + q0)
     f1 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + q0 + BLOCK_M)
     gl.warp_specialize([
-        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, turn, SK, SV, O, LSE, f0, row0, q0,
-                          kv_row, n_k, 0, HEAD_D, STAGES, CAUSAL, PINGPONG)),
-        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, turn, SK, SV, O, LSE, f1, row0,
-                          q0 + BLOCK_M, kv_row, n_k, 1, HEAD_D, STAGES, CAUSAL, PINGPONG)),
+        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f0, row0, q0, kv_row, n_k,
+                          0, HEAD_D, STAGES, CAUSAL)),
+        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f1, row0, q0 + BLOCK_M,
+                          kv_row, n_k, 1, HEAD_D, STAGES, CAUSAL)),
         (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, row0 + q0, kv_row,
                    kvh * HEAD_D, n_k, STAGES)),
     ], [4, 1], [240, 24])
 
 
-def fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, *, causal, softmax_scale, grid, n_tiles, head_group, stages,
-               pingpong):
+def fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, *, causal, softmax_scale, grid, n_tiles, head_group, stages):
     """Launch `_fwd_hopper_kernel` (shapes checked by launch._fwd_hopper; grid over N // 128 query blocks)."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     _fwd_hopper_kernel[grid](
         _desc(q8, [QUERIES_PER_PROGRAM, D]), _desc(k8, [KEYS_PER_PROGRAM, D]), _desc(v8t, [D, KEYS_PER_PROGRAM]),
         sq, sk, sv, out, lse, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group,
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal),
-        PINGPONG=bool(pingpong), num_warps=4,
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), num_warps=4,
     )

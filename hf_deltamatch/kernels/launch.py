@@ -18,14 +18,12 @@ from ._fp8 import INTERPRET
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
-# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
-# "fwd_hopper_pingpong": True / False (FA3's schedule in the Gluon forward, see fwd_hopper._mma_partition)}.
+# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages",
-              "fwd_hopper_pingpong"}
+              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -211,10 +209,11 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
 # Head dims at which the forward comes from fwd_hopper's Gluon kernel where it applies (_hopper_case). H200,
 # N=8192, kernel ms against _fwd_kernel in the same run (session 9, run 0156): D=128 causal 0.775 -> 0.754, full
 # 1.469 -> 1.436, GQA 0.786 -> 0.747 (2 stages; 3 stages the same); at D=64 1.10 -> 1.41 (_fwd_kernel runs three
-# programs per SM there, the Gluon kernel one of two warpgroups), so not there.
+# programs per SM there, the Gluon kernel one of two warpgroups), so not there. FA3's schedule (tile j-1's PV
+# issued with tile j's QK^T, the warpgroups taking turns through mbarriers; run 0208) was slower: 0.832 causal,
+# 0.824 GQA, 1.393 full (the same loop without the turns: 0.759-0.815, runs 0140 and 0148), so not kept.
 FWD_HOPPER_HEAD_DIMS = (128,)
 FWD_HOPPER_STAGES = 2
-FWD_HOPPER_PINGPONG = False
 
 
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
@@ -239,9 +238,8 @@ def _dkdv_hopper_cfg() -> dict:
 
 
 def _fwd_hopper_cfg() -> dict:
-    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_* or TUNE["fwd_hopper_<option>"]."""
-    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)),
-                pingpong=bool(TUNE.get("fwd_hopper_pingpong", FWD_HOPPER_PINGPONG)))
+    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_STAGES or TUNE["fwd_hopper_stages"]."""
+    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)))
 
 
 def _dq_hopper_cfg() -> dict:
