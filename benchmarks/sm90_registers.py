@@ -89,7 +89,7 @@ def gluon_signature(fn, constexprs, d):
     from hf_deltamatch.kernels import _gluon as H
 
     def desc(rows, cols):
-        return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout([rows, cols])!r}>"
+        return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout((rows, cols))!r}>"
     n, m, qp = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE, H.QUERIES_PER_PROGRAM
     boxes = {  # per kernel: descriptor -> box
         "_bwd_dkdv_hopper_kernel": {"k_desc": (n, d), "v_desc": (n, d), "q_desc": (m, d), "do_desc": (m, d),
