@@ -39,8 +39,8 @@ DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.D
 # Triton versions tests/test_kernels_gpu.py passed with on the H200, with the kernels as they are now
 # (benchmarks/NOTES.md; 27/27 with both in session 7, runs 2245 and 2257). Triton 3.9 computed wrong fp8 forward
 # outputs there until quantize.FUSED_TOKEN_MAJOR worked around it. Any other version gets a warning on its first
-# CUDA launch. The Gluon kernels (dq_hopper, dkdv_hopper) run only with 3.6 (launch._hopper_case): with 3.9 the
-# Triton kernels run everywhere, as in session 7's 3.9 run.
+# CUDA launch. The Gluon kernels (fwd_hopper, dq_hopper, dkdv_hopper) run only with 3.6 (launch._hopper_case): with
+# 3.9 the Triton kernels run everywhere, as in session 7's 3.9 run.
 GPU_TESTED_TRITON = ("3.6", "3.9")
 
 

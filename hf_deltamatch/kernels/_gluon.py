@@ -1,4 +1,4 @@
-"""What the Gluon kernels for Hopper (dkdv_hopper.py, dq_hopper.py) share: tile sizes, TMA descriptors over our
+"""What the Gluon kernels for Hopper (fwd_hopper.py, dq_hopper.py, dkdv_hopper.py) share: tile sizes, TMA descriptors over our
 FP8 and row tensors, the grid order. Written against Triton 3.6's Gluon API (launch._dkdv_hopper checks)."""
 
 import functools
