@@ -59,7 +59,8 @@ def main():
         fwd = lambda: K.forward(q, k, v, **kw)  # noqa: E731
         bwd = lambda: K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)  # noqa: E731
         res[name] = dict(fwd_ms=host_ms(fwd), bwd_ms=host_ms(bwd))
-        text.append(f"{name:7s} host ms per call: forward {res[name]['fwd_ms']:.3f}  backward {res[name]['bwd_ms']:.3f}")
+        text.append(f"{name:7s} host ms per call: forward {res[name]['fwd_ms']:.3f}  "
+                    f"backward {res[name]['bwd_ms']:.3f}")
         if args.profile:
             for part, fn in (("forward", fwd), ("backward", bwd)):
                 prof = cProfile.Profile()

@@ -1,5 +1,6 @@
-"""What the Gluon kernels for Hopper (fwd_hopper.py, dq_hopper.py, dkdv_hopper.py) share: tile sizes, TMA descriptors over our
-FP8 and row tensors, the grid order. Written against Triton 3.6's Gluon API (launch._dkdv_hopper checks)."""
+"""What the Gluon kernels for Hopper (fwd_hopper.py, dq_hopper.py, dkdv_hopper.py) share: tile sizes, TMA
+descriptors over our FP8 and row tensors, the grid order, fp8 operands from accumulators. Written against Triton
+3.6's Gluon API (launch._hopper_case checks)."""
 
 import functools
 
