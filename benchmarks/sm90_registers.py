@@ -93,7 +93,7 @@ def gluon_signature(fn, constexprs, d):
     n, m, qp = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE, H.QUERIES_PER_PROGRAM
     boxes = {  # per kernel: descriptor -> box
         "_bwd_dkdv_hopper_kernel": {"k_desc": (n, d), "v_desc": (n, d), "q_desc": (m, d), "do_desc": (m, d),
-                                    "qt_desc": (d, m), "dot_desc": (d, m)},
+                                    "qt_desc": (d, m), "dot_desc": (d, m), "kt_desc": (d, n)},
         "_bwd_dq_hopper_kernel": {"q_desc": (qp, d), "do_desc": (qp, d), "k_desc": (n, d), "v_desc": (n, d),
                                   "kt_desc": (d, n)},
         "_fwd_hopper_kernel": {"q_desc": (qp, d), "k_desc": (n, d), "vt_desc": (d, n)},
@@ -106,6 +106,14 @@ def gluon_signature(fn, constexprs, d):
             sig[a] = desc(*boxes[a])
         elif a in ("lse_desc", "delta_desc"):
             sig[a] = f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>"
+        elif a == "dqacc_desc" and constexprs.get("FUSED_DQ"):  # the fused dK/dV kernel's fp32 dQ accumulator
+            import torch
+            layout = H._f32_desc(torch.empty(1, 1, m, d), [m, d // 2]).layout
+            sig[a] = f"tensordesc<fp32[{m}, {d // 2}],{layout!r}>"
+        elif a == "dqacc_desc":  # without FUSED_DQ: the LSE2 descriptor again (dkdv_hopper.dkdv_hopper)
+            sig[a] = f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>"
+        elif a == "kt_desc" and fn.__name__ == "_bwd_dkdv_hopper_kernel" and not constexprs.get("FUSED_DQ"):
+            sig[a] = desc(d, m)  # q8^T's descriptor again
         elif a in ("O", "DQ", "DK", "DV"):
             sig[a] = "*bf16"
         elif a == "softmax_scale":
@@ -230,12 +238,14 @@ def main():
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
             cfg = K._dkdv_hopper_cfg()
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=cfg["stages"],
-                                                            FOLD=cfg["fold"]), 4, 1)
+                                                            FOLD=cfg["fold"], FUSED_DQ=K._fused_dq(), FMAX=448.0,
+                                                            POW2=False), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=K._dq_hopper_cfg()["stages"],
-                SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False), 4, 1)
+                SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
+                DQ_PASS=not K._fused_dq()), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
             jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True,
