@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _f32_desc, _grid_ids, _ring_barriers,
-    _row_desc, fp8_a_layout, fp8_operand, mma_layout, tma_reduce_add,
+    _row_desc, fp8_a_layout, fp8_operand, mma_layout, thread_barrier, tma_load, tma_reduce_add,
 )
 
 
@@ -48,11 +48,11 @@ def _loader(k_desc, v_desc, kt_desc, q_desc, qt_desc, do_desc, dot_desc, lse_des
             GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr):
     if FUSED_DQ:  # k8^T of the program's keys too: the B operand of dQ = dS8 k8
         mbarrier.expect(kv_bar, 3 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kt_desc, [kt_row, kv_row % N], kv_bar, kt_smem)
+        tma_load(kt_desc, [kt_row, kv_row % N], kv_bar, kt_smem)
     else:
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [kv_row, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [kv_row, 0], kv_bar, v_smem)
+    tma_load(k_desc, [kv_row, 0], kv_bar, k_smem)
+    tma_load(v_desc, [kv_row, 0], kv_bar, v_smem)
     for t in range(GROUPS * n_q):
         g = t // n_q
         m0 = lo + (t - g * n_q) * BLOCK_M
@@ -63,12 +63,12 @@ def _loader(k_desc, v_desc, kt_desc, q_desc, qt_desc, do_desc, dot_desc, lse_des
         mbarrier.expect(bar, 4 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
         row = q_row0 + g * N + m0
         col_row = t_row0 + g * HEAD_D
-        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(s))
-        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(s))
-        tma.async_copy_global_to_shared(qt_desc, [col_row, m0], bar, qt_smem.index(s))
-        tma.async_copy_global_to_shared(dot_desc, [col_row, m0], bar, dot_smem.index(s))
-        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(s))
-        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(s))
+        tma_load(q_desc, [row, 0], bar, q_smem.index(s))
+        tma_load(do_desc, [row, 0], bar, do_smem.index(s))
+        tma_load(qt_desc, [col_row, m0], bar, qt_smem.index(s))
+        tma_load(dot_desc, [col_row, m0], bar, dot_smem.index(s))
+        tma_load(lse_desc, [row], bar, lse_smem.index(s))
+        tma_load(delta_desc, [row], bar, delta_smem.index(s))
 
 
 @gluon.jit
@@ -191,10 +191,10 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         mbarrier.arrive(empty.index(s))  # this stage's tiles are read
         if FUSED_DQ:  # dQ += the partial, scaled, by a TMA reduce-add (dq_smem: one buffer per tile parity)
             tma.store_wait(1)  # the reduce of two tiles ago has read its buffer
-            gl.thread_barrier()
+            thread_barrier()
             dq_smem.index(par).store(dq_part * (sds * dq_f))
             fence_async_shared()
-            gl.thread_barrier()
+            thread_barrier()
             tma_reduce_add(dqacc_desc, [row, WG * DQ_COLS], dq_smem.index(par))
     if FUSED_DQ:
         tma.store_wait(0)

@@ -18,11 +18,11 @@ DQ_PASS False: pass 1 alone, for the dK/dV kernel that adds dQ up (dkdv_hopper F
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, fp8_a_layout,
-    fp8_operand, mma_layout,
+    fp8_operand, mma_layout, tma_load,
 )
 
 
@@ -31,8 +31,8 @@ def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v
             qo_bar, ready, empty, q_row, kv_row, kt_row, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr,
             DQ_PASS: gl.constexpr):
     mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], qo_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [q_row, 0], qo_bar, do_smem)
+    tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
+    tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
     n_u = n_k
     if DQ_PASS:
         n_u = 2 * n_k
@@ -46,10 +46,10 @@ def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v
             mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
         else:
             mbarrier.expect(bar, 3 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], bar, v_smem.index(s))
+        tma_load(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
+        tma_load(v_desc, [kv_row + j * BLOCK_N, 0], bar, v_smem.index(s))
         if u >= n_k:
-            tma.async_copy_global_to_shared(kt_desc, [kt_row, j * BLOCK_N], bar, kt_smem.index(s))
+            tma_load(kt_desc, [kt_row, j * BLOCK_N], bar, kt_smem.index(s))
 
 
 @gluon.jit

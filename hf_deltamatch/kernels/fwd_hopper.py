@@ -16,11 +16,11 @@ Gluon has no interpreter; tests/test_kernels_gpu.py::test_fwd_hopper_kernel hold
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, fp8_a_layout,
-    fp8_operand, mma_layout,
+    fp8_operand, mma_layout, tma_load,
 )
 
 
@@ -28,15 +28,15 @@ from ._gluon import (
 def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, q_row, kv_row, vt_row, n_k,
             STAGES: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    tma_load(q_desc, [q_row, 0], q_bar, q_smem)
     for j in range(n_k):
         s = j % STAGES
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         bar = ready.index(s)
         mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
-        tma.async_copy_global_to_shared(vt_desc, [vt_row, j * BLOCK_N], bar, vt_smem.index(s))
+        tma_load(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
+        tma_load(vt_desc, [vt_row, j * BLOCK_N], bar, vt_smem.index(s))
 
 
 @gluon.jit

@@ -198,7 +198,9 @@ DQ_HOPPER_STAGES = 3
 def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
                  device, lse2_in: bool, p_shift: int) -> bool:
     """Whether the input is the Gluon kernels' case: fp8 e4m3, Dqk = Dv in 64/128, block 128, no varlen or window,
-    N = M a multiple of 128, an sm_90 GPU, Triton 3.6's Gluon API, the dQ kernel's LSE2 with P * 256."""
+    N = M a multiple of 128, an sm_90 GPU, Triton 3.6 (the version their GPU tests passed with; they also compile
+    with 3.9's renamed Gluon API, tests/test_sm90_registers.py, but have not run on a GPU with it), the dQ
+    kernel's LSE2 with P * 256."""
     if INTERPRET:
         return False
     import torch
