@@ -102,6 +102,15 @@ def _grid_ids(n_tiles, head_group):
 
 
 @gluon.jit
+def tile_scale(amax, FMAX: gl.constexpr, POW2: gl.constexpr):
+    """_fp8.tile_scale in Gluon: amax / fmax, optionally rounded up to a power of two; 1 for an all-zero tile."""
+    scale = amax / FMAX
+    if POW2:
+        scale = ((scale.to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(gl.float32, bitcast=True)
+    return gl.where(amax > 0, scale, 1.0)
+
+
+@gluon.jit
 def _ring_barriers(STAGES: gl.constexpr):
     """(ready, empty) mbarriers of a ring of STAGES buffers: ready[s] completes when the loader's bytes landed
     (one arrive with the byte count), empty[s] when both MMA warpgroups are done with the stage."""

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _f32_desc, _grid_ids, _ring_barriers,
-    _row_desc, fp8_a_layout, fp8_operand, mma_layout, thread_barrier, tma_load, tma_reduce_add,
+    _row_desc, fp8_a_layout, fp8_operand, mma_layout, thread_barrier, tile_scale, tma_load, tma_reduce_add,
 )
 
 
@@ -150,12 +150,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             amax_smem.index(par).slice(WG, 1).store(gl.full([1], 0.0, gl.float32, one_layout) + amax)
             mbarrier.arrive(xbar.index(par))
             mbarrier.wait(xbar.index(par), ph)
-            amax = gl.max(amax_smem.index(par).load(two_layout), 0)
-            # tile_scale (_fp8.py): amax / fmax, optionally rounded up to a power of two; 1 for an all-zero tile
-            sds = amax / FMAX
-            if POW2:
-                sds = ((sds.to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(gl.float32, bitcast=True)
-            sds = gl.where(amax > 0, sds, 1.0)
+            sds = tile_scale(gl.max(amax_smem.index(par).load(two_layout), 0), FMAX, POW2)
             ds_r = dst * ((1.0 / 256.0) / sds)
             ck = sds * sq_t
             dk = dk * (c_dk / ck)

@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, fp8_a_layout,
-    fp8_operand, mma_layout, tma_load,
+    fp8_operand, mma_layout, tile_scale, tma_load,
 )
 
 
@@ -119,12 +119,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
             if ROW_SUMS:
                 rs += gl.sum(ds, 1)
                 ra += gl.sum(gl.abs(ds), 1)
-            amax = gl.max(gl.max(gl.abs(ds), 1), 0)
-            # tile_scale (_fp8.py): amax / fmax, optionally rounded up to a power of two; 1 for an all-zero tile
-            sds = amax / FMAX
-            if POW2:
-                sds = ((sds.to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(gl.float32, bitcast=True)
-            sds = gl.where(amax > 0, sds, 1.0)
+            sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
             gl.store(DSS + dss_row * dss_tk + j, sds)  # this warpgroup's tile, for the dK/dV kernel
             c = sds * sk_t
             dq = dq * (c_dq / c)
