@@ -41,7 +41,7 @@ def fp8_a_layout(parent):
 def fp8_operand(x, layout: gl.constexpr):
     """The fp32 wgmma accumulator x (64 x n) as the fp8 A operand (`layout`, fp8_a_layout) of the next wgmma with
     no data movement: its columns reordered within each group of 32 (column c = 16 g1 + 8 g0 + 2 q + e goes to
-    k = 16 g1 + 4 q + 2 g0 + e, K_ORDER), so that each thread's accumulator values are the operand values it
+    k = 16 g1 + 4 q + 2 g0 + e: quantize.k_order), so that each thread's accumulator values are the operand values it
     holds. The B operand's K rows must be stored in that order (quantize.token_major(k_order=True)); the plain
     conversion costs 8 shuffles, 8 selects and 8 byte permutes per 64 x 64 tile."""
     m: gl.constexpr = x.shape[0]

@@ -125,7 +125,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
             dq = dq * (c_dq / c)
             c_dq = c
             # multiply by 1/sds: fp32 `/` is a MUFU op per element, and exp2 keeps the MUFU busy
-            ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in K_ORDER
+            ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in k_order
             dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
             # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
