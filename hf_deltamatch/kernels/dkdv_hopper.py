@@ -172,6 +172,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             # and this warpgroup holds dS^T) @ k8[128 keys, DQ_COLS]
             ds_smem.index(par).slice(WG * 64, 64, dim=1).store(gl.permute(ds_r.to(gl.float8e4nv), (1, 0)))
             fence_async_shared()
+            thread_barrier()  # mbarrier.arrive is one thread's: all 128 threads' stores must be done before it
             mbarrier.arrive(dsbar.index(par))
             mbarrier.wait(dsbar.index(par), ph)
             kt_sub = kt_smem.slice(WG * DQ_COLS, DQ_COLS)  # [DQ_COLS, 128 keys]
@@ -184,13 +185,13 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
             dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(empty.index(s))  # this stage's tiles are read
-        if FUSED_DQ:  # dQ += the partial, scaled, by a TMA reduce-add (dq_smem: one buffer per tile parity)
-            tma.store_wait(1)  # the reduce of two tiles ago has read its buffer
+        if FUSED_DQ:  # dQ += the partial, scaled, by a TMA reduce-add (dq_smem: one buffer per warpgroup)
+            tma.store_wait(0)  # the last tile's reduce has read the buffer
             thread_barrier()
-            dq_smem.index(par).store(dq_part * (sds * dq_f))
+            dq_smem.index(WG).store(dq_part * (sds * dq_f))
             fence_async_shared()
             thread_barrier()
-            tma_reduce_add(dqacc_desc, [row, WG * DQ_COLS], dq_smem.index(par))
+            tma_reduce_add(dqacc_desc, [row, WG * DQ_COLS], dq_smem.index(WG))
     if FUSED_DQ:
         tma.store_wait(0)
     dk = dk * (c_dk * softmax_scale)
@@ -235,8 +236,8 @@ def _bwd_dkdv_hopper_kernel(
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     ready, empty = _ring_barriers(STAGES)
-    # FUSED_DQ only (unused, so dropped by the compiler, otherwise): k8^T of the program's keys, dS8 and dQ partial
-    # tiles per tile parity, the two warpgroups' dS amax, and the barriers on which they exchange them
+    # FUSED_DQ only (unused, so dropped by the compiler, otherwise): k8^T of the program's keys, dS8 tiles per tile
+    # parity, dQ partial tiles per warpgroup, the two warpgroups' dS amax, and the barriers on which they exchange them
     kt_smem = gl.allocate_shared_memory(kt_desc.dtype, kt_desc.block_type.shape, kt_desc.layout)
     ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], kt_desc.layout)
     dq_smem = gl.allocate_shared_memory(dqacc_desc.dtype, [2] + dqacc_desc.block_type.shape, dqacc_desc.layout)
