@@ -16,6 +16,7 @@ or the MUFU (benchmarks/NOTES.md, session 5), so this count is the figure to low
 """
 
 import argparse
+import hashlib
 import os
 import re
 import subprocess
@@ -93,7 +94,7 @@ def gluon_signature(fn, constexprs, d):
     n, m, qp = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE, H.QUERIES_PER_PROGRAM
     boxes = {  # per kernel: descriptor -> box
         "_bwd_dkdv_hopper_kernel": {"k_desc": (n, d), "v_desc": (n, d), "q_desc": (m, d), "do_desc": (m, d),
-                                    "qt_desc": (d, m), "dot_desc": (d, m), "kt_desc": (d, n)},
+                                    "qt_desc": (d, m), "dot_desc": (d, m)},
         "_bwd_dq_hopper_kernel": {"q_desc": (qp, d), "do_desc": (qp, d), "k_desc": (n, d), "v_desc": (n, d),
                                   "kt_desc": (d, n)},
         "_fwd_hopper_kernel": {"q_desc": (qp, d), "k_desc": (n, d), "vt_desc": (d, n)},
@@ -106,14 +107,6 @@ def gluon_signature(fn, constexprs, d):
             sig[a] = desc(*boxes[a])
         elif a in ("lse_desc", "delta_desc"):
             sig[a] = f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>"
-        elif a == "dqacc_desc" and constexprs.get("FUSED_DQ"):  # the fused dK/dV kernel's fp32 dQ accumulator
-            import torch
-            layout = H._f32_desc(torch.empty(1, 1, m, d), [m, d // 2]).layout
-            sig[a] = f"tensordesc<fp32[{m}, {d // 2}],{layout!r}>"
-        elif a == "dqacc_desc":  # without FUSED_DQ: the LSE2 descriptor again (dkdv_hopper.dkdv_hopper)
-            sig[a] = f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>"
-        elif a == "kt_desc" and fn.__name__ == "_bwd_dkdv_hopper_kernel" and not constexprs.get("FUSED_DQ"):
-            sig[a] = desc(d, m)  # q8^T's descriptor again
         elif a in ("O", "DQ", "DK", "DV"):
             sig[a] = "*bf16"
         elif a == "softmax_scale":
@@ -158,8 +151,12 @@ def usage(fn, constexprs, warps, stages, maxnreg=None):
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
     mma = sorted(set(re.findall(r"[QH]GMMA\.[\w.]+", sass)))
+    # the instructions without their addresses: equal hashes = a refactor that changed no instruction
+    body = "\n".join(re.sub(r"/\*[0-9a-f]+\*/", "", line.split(";")[0]).strip()
+                     for line in sass.splitlines() if "/*" in line and ";" in line)
     return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=int(stack.group(1)) if stack else None,
-                smem=c.metadata.shared, mma=mma, serialized="; ".join(serialized) or "no", loops=loops(sass))
+                smem=c.metadata.shared, mma=mma, serialized="; ".join(serialized) or "no", loops=loops(sass),
+                sass_md5=hashlib.md5(body.encode()).hexdigest()[:12])
 
 
 # opcode -> the report's column (the rest count as "other": integer, uniform-datapath, predicate, branch ops)
@@ -192,9 +189,9 @@ def loops(sass):
     return out
 
 
-def common(d, fp8, causal):
+def common(d, fp8, causal, groups=1):
     return dict(DQK=d, BLOCK_DQK=d, BLOCK_DV=d, CAUSAL=causal, HAS_WINDOW=False, VARLEN=False, FP8=fp8,
-                INTERP=False, GROUPS=1)
+                INTERP=False, GROUPS=groups)
 
 
 def main():
@@ -203,6 +200,8 @@ def main():
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--full", action="store_true", help="the full mask instead of causal")
+    p.add_argument("--groups", type=int, default=1, help="query heads per KV head (GQA)")
     p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
     p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
     args = p.parse_args()
@@ -210,7 +209,8 @@ def main():
     for var in args.variants.split(";"):
         K.TUNE.clear()
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
-        c = common(args.d, fp8, True)
+        causal = not args.full
+        c = common(args.d, fp8, causal, args.groups)
         fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
         kv_n = K._dkdv_block_n(args.block, args.d, K._dkdv_ds_scales(args.d, fp8))
         dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8, kv_n, args.block)
@@ -237,24 +237,23 @@ def main():
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
             cfg = K._dkdv_hopper_cfg()
-            jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=cfg["stages"],
-                                                            FOLD=cfg["fold"], FUSED_DQ=K._fused_dq(), FMAX=448.0,
-                                                            POW2=False), 4, 1)
+            jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
+                                                            STAGES=cfg["stages"], FOLD=cfg["fold"]), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
-                GROUPS=1, HEAD_D=args.d, CAUSAL=True, STAGES=K._dq_hopper_cfg()["stages"],
-                SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
-                DQ_PASS=not K._fused_dq()), 4, 1)
+                GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=K._dq_hopper_cfg()["stages"],
+                SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
-            jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=1, HEAD_D=args.d, CAUSAL=True,
+            jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                            STAGES=K._fwd_hopper_cfg()["stages"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))
             print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
-                  f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']}", flush=True)
+                  f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']} sass={u['sass_md5']}",
+                  flush=True)
             if args.loops:
                 for lo, counts in u["loops"]:
                     print(f"{'':46s} loop @{lo:#07x}: " + " ".join(f"{k}={v}" for k, v in counts.items()), flush=True)

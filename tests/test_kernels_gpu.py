@@ -278,26 +278,6 @@ def test_dq_hopper_kernel(stages):
         assert max(errs) < 1e-3, errs
 
 
-def test_dkdv_hopper_fused_dq():
-    """The Gluon dK/dV kernel adding dQ up itself (TUNE dkdv_hopper_dq: dS scales from both warpgroups' amax, dS8
-    through shared memory, TMA reduce-adds into an fp32 buffer), the Gluon dQ kernel running the correction pass
-    alone. PREPARED in session 9, off by default. Against the reference (the same tolerances) and against the
-    Triton kernels on the same inputs: its dS scales come from P * 256 instead of the dQ kernel's P (equal up to
-    fp32 rounding, so a rare dS8 rounding flips) and dQ is summed in another order, hence fp8's GPU tolerance."""
-    import triton
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the Gluon kernels are written against Triton 3.6's Gluon API")
-    fused = dict(dkdv_hopper=True, dq_hopper=True, dkdv_hopper_dq=True)
-    K.TUNE.update(fused)
-    try:
-        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
-        _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
-    finally:
-        K.TUNE.clear()
-    for errs in _gluon_vs_triton(fused, {}, seed=6):
-        assert max(errs) < 1e-2, errs
-
-
 @pytest.mark.parametrize("stages", [2, 3])
 def test_fwd_hopper_kernel(stages):
     """The Gluon forward (fwd_hopper.py, TUNE fwd_hopper; on at D=128) against the

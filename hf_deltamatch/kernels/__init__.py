@@ -28,8 +28,7 @@ from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
     _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
-    _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fused_dq, _fwd_hopper, _fwd_hopper_cfg, _grid, _use_tma,
-    _wait_mma,
+    _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid, _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
 
@@ -214,9 +213,6 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     case_ok = fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
     hopper = case_ok and _dkdv_hopper(d, **case)
     hopper_dq = case_ok and _dq_hopper(d, stale=stale, **case)
-    # dQ added up in the Gluon dK/dV kernel (launch._fused_dq), the Gluon dQ kernel running the correction pass
-    # alone; not with the invariant's row sums, which the dQ pass finds
-    fused_dq = hopper and hopper_dq and _fused_dq() and not return_row_sums
     ds_scales = (_dkdv_ds_scales(d, fp8, Hq != Hkv) or hopper or hopper_dq) and N > 0 and M > 0
     kv_n = _dkdv_block_n(T, d, ds_scales)
     # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
@@ -254,16 +250,15 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned)
     if N > 0 and max_n > 0:
         ka, kta, va = ks, ks, vs
-        if fp8:  # the Gluon dQ pass's B operand in k_order (fp8_operand); the fused dK/dV kernel's in order
-            k8t = kta = token_major(k8, k_order=hopper_dq and not fused_dq)
+        if fp8:
+            k8t = kta = token_major(k8, k_order=hopper_dq)  # the Gluon kernels' B operands: fp8_operand
         if hopper_dq:
             from .dq_hopper import QUERIES_PER_PROGRAM, dq_hopper
             grid, n_tiles, head_group = _grid("dq", N // QUERIES_PER_PROGRAM, B * Hq, nseq, bool(causal))
             dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, causal=causal,
                       softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                       head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
-                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, dq_pass=not fused_dq,
-                      **_dq_hopper_cfg())
+                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, **_dq_hopper_cfg())
         else:
             if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
                 ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
@@ -281,9 +276,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                 ASM_SCALES=_asm_scales("dq", d), SCALE_AFTER_SUM=_scale_after_sum(d), LSE2_OUT=lse2_in,
                 P_SHIFT=p_shift, DSS_OUT=ds_scales, num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
             )
-    if not fused_dq:  # the fused dK/dV kernel reads k8t
-        k8t = None
-    ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
+    k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
     if M > 0 and max_m > 0:
         qa, qta, doa_, dota = qs, qs, doa, doa
         if fp8:
@@ -291,13 +284,9 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if hopper:
             from .dkdv_hopper import KEYS_PER_PROGRAM, dkdv_hopper
             grid, n_tiles, head_group = _grid("dkdv", M // KEYS_PER_PROGRAM, B * Hkv, nseq, bool(causal))
-            dq_acc = torch.zeros((B, Hq, N, dqk), dtype=torch.float32, device=dev) if fused_dq else None
             dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
-                        head_group=head_group, k8t=k8t, dq_acc=dq_acc, fmax=FP8_MAX["e4m3"],
-                        pow2=config.scale_rounding == "pow2", **_dkdv_hopper_cfg())
-            if fused_dq:
-                dq.copy_(dq_acc)
+                        head_group=head_group, **_dkdv_hopper_cfg())
             return _ret()
         if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
             qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)

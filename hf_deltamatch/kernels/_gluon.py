@@ -4,17 +4,13 @@ descriptors over our FP8 and row tensors, the grid order, fp8 operands from accu
 
 import functools
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Names that Triton renamed after 3.6 (3.9 keeps the old TMA one only to raise): the TMA copy into shared memory
-# and the barrier of a partition's threads
+# Triton renamed the TMA copy into shared memory after 3.6 (3.9 keeps the old name only to raise)
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 KEYS_PER_PROGRAM = 128  # keys per dS tile (config.block)
 BLOCK_N = gl.constexpr(KEYS_PER_PROGRAM)
@@ -66,27 +62,9 @@ def _desc(x, block):
     return TensorDescriptor(x, [B * H * N, D], [D, 1], block, _layout(tuple(block)))
 
 
-def _f32_desc(x, block):
-    """TMA descriptor over the (B*H*N, D) rows of a contiguous fp32 x (B, H, N, D): the dQ accumulator of the dK/dV
-    kernel that adds dQ up (dkdv_hopper FUSED_DQ)."""
-    B, H, N, D = x.shape
-    return TensorDescriptor(x, [B * H * N, D], [D, 1], block, gl.NVMMASharedLayout.get_default_for(block, gl.float32))
-
-
 def _row_desc(x, box=QUERIES_PER_TILE):
     """1-D TMA descriptor over the (B, H, N) fp32 row values x (LSE2, delta), boxes of `box` rows."""
     return TensorDescriptor(x.view(-1), [x.numel()], [1], [box], ROW_LAYOUT.value)
-
-
-@builtin
-def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
-    """TMA reduce-add of the shared-memory tile src into the global tile at coord (cp.reduce.async.bulk.tensor;
-    wait with tma.store_wait). Triton 3.6's Gluon API does not export it; its builder has the op."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-tma_reduce_add = tma.async_atomic_add if hasattr(tma, "async_atomic_add") else _tma_reduce_add_36
 
 
 @gluon.jit

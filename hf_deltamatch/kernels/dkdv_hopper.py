@@ -22,35 +22,25 @@ Per query tile of 64 rows (stage s), in one warpgroup (keys kb .. kb+63):
 with sds the dQ kernel's scale of the tile (DSS): the values and roundings of `_bwd_dkdv_kernel`.
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dkdv_kernel` (tests/test_kernels_gpu.py).
 
-FUSED_DQ (launch._fused_dq; PREPARED, not yet run on a GPU): the kernel also adds dQ up, so that the dQ kernel
-runs the correction pass alone. Per tile the two warpgroups exchange their halves' dS amax (the dS tile is 64
-queries x 128 keys) through shared memory, store dS8 there (transposed: an fp8 A operand must be K-major), and
-each computes dQ[64 queries, D/2 columns] = dS8 k8 over all 128 keys, scaled and added into an fp32 buffer by a
-TMA reduce-add.
+dQ is not added up here (FlashAttention's way) but in the dQ kernel's second pass: the fp32 reduce-adds of dQ
+partials into global memory made this kernel slower than that pass (NOTES.md, session 10).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
-    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _f32_desc, _grid_ids, _ring_barriers,
-    _row_desc, fp8_a_layout, fp8_operand, mma_layout, thread_barrier, tile_scale, tma_load, tma_reduce_add,
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _ring_barriers, _row_desc,
+    fp8_a_layout, fp8_operand, mma_layout, tma_load,
 )
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, kt_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
-            kt_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, kt_row,
-            q_row0, t_row0, lo, n_q, N,
-            GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr):
-    if FUSED_DQ:  # k8^T of the program's keys too: the B operand of dQ = dS8 k8
-        mbarrier.expect(kv_bar, 3 * k_desc.block_type.nbytes)
-        tma_load(kt_desc, [kt_row, kv_row % N], kv_bar, kt_smem)
-    else:
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+            qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q,
+            N, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma_load(k_desc, [kv_row, 0], kv_bar, k_smem)
     tma_load(v_desc, [kv_row, 0], kv_bar, v_smem)
     for t in range(GROUPS * n_q):
@@ -73,12 +63,9 @@ def _loader(k_desc, v_desc, kt_desc, q_desc, qt_desc, do_desc, dot_desc, lse_des
 
 @gluon.jit
 def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
-                   kt_smem, ds_smem, dq_smem, amax_smem, xbar, dsbar, dqacc_desc,
-                   SQ, SDO, DSS, DK, DV, col_f, dp_f, dq_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk,
-                   out_row,
+                   SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, FUSED_DQ: gl.constexpr, FMAX: gl.constexpr,
-                   POW2: gl.constexpr):
+                   CAUSAL: gl.constexpr, FOLD: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     a_layout: gl.constexpr = fp8_a_layout(d_layout)
@@ -96,11 +83,6 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of the last tile's scales (c_dk, c_dv)
     c_dv = softmax_scale * 0.0 + 1.0
     dss_col = n0 // BLOCK_N
-    DQ_COLS: gl.constexpr = HEAD_D // 2  # FUSED_DQ: this warpgroup's dQ columns, over all 128 keys
-    q_layout: gl.constexpr = mma_layout(DQ_COLS)
-    dq_part = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, q_layout)  # fresh accumulator (use_acc=False), carried
-    one_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # every thread holds the one value
-    two_layout: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
     mbarrier.wait(kv_bar, 0)
     for t in range(GROUPS * n_q):
         if GROUPS == 1:  # no integer division per tile (a dozen instructions and a MUFU.RCP)
@@ -118,8 +100,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         row = bh * N + m0
         sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
         sdo_t = gl.load(SDO + row)
-        if not FUSED_DQ:
-            sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
+        sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
         s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
         # LSE2 and delta came with the tile (TMA) and are read where needed: per-thread loads of them, held
         # across the MMA waits, cost 32 registers and spills (dK/dV 1.83 -> 1.55 ms, H200 run 0023)
@@ -139,61 +120,22 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         p8 = fp8_operand(p256, a_layout)
         dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
         dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
-        if FUSED_DQ:
-            # the dS tile (64 queries x 128 keys) spans both warpgroups: its scale from both halves' amax,
-            # exchanged through shared memory (amax_smem, xbar: one slot and barrier per tile parity)
-            par = t & 1
-            ph = (t >> 1) & 1
-            delta = delta_smem.index(s).load(col_layout)
-            dst = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :])  # dS^T * 256
-            amax = gl.max(gl.max(gl.abs(dst), 1), 0) * (1.0 / 256.0)
-            amax_smem.index(par).slice(WG, 1).store(gl.full([1], 0.0, gl.float32, one_layout) + amax)
-            mbarrier.arrive(xbar.index(par))
-            mbarrier.wait(xbar.index(par), ph)
-            sds = tile_scale(gl.max(amax_smem.index(par).load(two_layout), 0), FMAX, POW2)
-            ds_r = dst * ((1.0 / 256.0) / sds)
-            ck = sds * sq_t
-            dk = dk * (c_dk / ck)
-            c_dk = ck
+        ck = sds * sq_t
+        dk = dk * (c_dk / ck)
+        c_dk = ck
+        r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
+        delta = delta_smem.index(s).load(col_layout)
+        if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
+            ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
         else:
-            ck = sds * sq_t
-            dk = dk * (c_dk / ck)
-            c_dk = ck
-            r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
-            delta = delta_smem.index(s).load(col_layout)
-            if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
-                ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
-            else:
-                ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
+            ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
         ds8 = fp8_operand(ds_r, a_layout)
         dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
-        if FUSED_DQ:
-            # dQ[64 queries, DQ_COLS] = dS8 (both halves, through shared memory: an A operand must be K-major,
-            # and this warpgroup holds dS^T) @ k8[128 keys, DQ_COLS]
-            ds_smem.index(par).slice(WG * 64, 64, dim=1).store(gl.permute(ds_r.to(gl.float8e4nv), (1, 0)))
-            fence_async_shared()
-            thread_barrier()  # mbarrier.arrive is one thread's: all 128 threads' stores must be done before it
-            mbarrier.arrive(dsbar.index(par))
-            mbarrier.wait(dsbar.index(par), ph)
-            kt_sub = kt_smem.slice(WG * DQ_COLS, DQ_COLS)  # [DQ_COLS, 128 keys]
-            dq_part = warpgroup_mma(ds_smem.index(par), kt_sub.permute((1, 0)), dq_part, use_acc=False,
-                                    is_async=True)
-            dk, dv, dq_part = warpgroup_mma_wait(0, deps=(dk, dv, dq_part))
-        else:
-            # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
-            # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
-            # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
-            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
+        # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
+        # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         mbarrier.arrive(empty.index(s))  # this stage's tiles are read
-        if FUSED_DQ:  # dQ += the partial, scaled, by a TMA reduce-add (dq_smem: one buffer per warpgroup)
-            tma.store_wait(0)  # the last tile's reduce has read the buffer
-            thread_barrier()
-            dq_smem.index(WG).store(dq_part * (sds * dq_f))
-            fence_async_shared()
-            thread_barrier()
-            tma_reduce_add(dqacc_desc, [row, WG * DQ_COLS], dq_smem.index(WG))
-    if FUSED_DQ:
-        tma.store_wait(0)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     rows = out_row + kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
@@ -206,9 +148,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
 @gluon.jit
 def _bwd_dkdv_hopper_kernel(
     k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
-    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, kt_desc, dqacc_desc,
+    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
-    FUSED_DQ: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
 ):
     # the heaviest (first, under causal) key tiles first, as backward._bwd_dkdv_kernel
     pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hkv + hk
@@ -223,7 +164,6 @@ def _bwd_dkdv_hopper_kernel(
     n_q = (N - lo) // BLOCK_M
     col_f = softmax_scale * 1.4426950408889634 * gl.load(SK + kv_row)
     dp_f = gl.load(SV + kv_row)
-    dq_f = gl.load(SK + kv_row) * softmax_scale  # FUSED_DQ: dQ partials' scale, times the tile's sds
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
@@ -236,54 +176,29 @@ def _bwd_dkdv_hopper_kernel(
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     ready, empty = _ring_barriers(STAGES)
-    # FUSED_DQ only (unused, so dropped by the compiler, otherwise): k8^T of the program's keys, dS8 tiles per tile
-    # parity, dQ partial tiles per warpgroup, the two warpgroups' dS amax, and the barriers on which they exchange them
-    kt_smem = gl.allocate_shared_memory(kt_desc.dtype, kt_desc.block_type.shape, kt_desc.layout)
-    ds_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], kt_desc.layout)
-    dq_smem = gl.allocate_shared_memory(dqacc_desc.dtype, [2] + dqacc_desc.block_type.shape, dqacc_desc.layout)
-    amax_smem = gl.allocate_shared_memory(gl.float32, [2, 2], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    xbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    dsbar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if FUSED_DQ:
-        for p in gl.static_range(2):
-            mbarrier.init(xbar.index(p), count=2)  # one arrive per MMA warpgroup
-            mbarrier.init(dsbar.index(p), count=2)
 
     gl.warp_specialize([
         (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
-                          empty, kt_smem, ds_smem, dq_smem, amax_smem, xbar, dsbar, dqacc_desc, SQ, SDO, DSS, DK, DV,
-                          col_f, dp_f, dq_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, pid_bh * N,
-                          0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, FUSED_DQ, FMAX, POW2)),
+                          empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq,
+                          dss_tk, pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD)),
         (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
-                          empty, kt_smem, ds_smem, dq_smem, amax_smem, xbar, dsbar, dqacc_desc, SQ, SDO, DSS, DK, DV,
-                          col_f, dp_f, dq_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, pid_bh * N,
-                          1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, FUSED_DQ, FMAX, POW2)),
-        (_loader, (k_desc, v_desc, kt_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
-                   kt_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row,
-                   pid_bh * HEAD_D, bh0 * N, bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, FUSED_DQ)),
+                          empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq,
+                          dss_tk, pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD)),
+        (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+                   qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
+                   bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES)),
     ], [4, 1], [240, 24])
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
-                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, k8t=None, dq_acc=None, fmax=448.0,
-                pow2=False):
-    """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper). With dq_acc (an fp32 (B, Hq, N, D)
-    zero buffer) and k8t (k8 token-major, natural order) it also adds dQ up (FUSED_DQ): the dS scales are then
-    its own (fmax, pow2: the dS format's) and dss is not read."""
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold):
+    """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper)."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
-    fused = dq_acc is not None
-    qt_desc, lse_desc = _desc(q8t, [D, QUERIES_PER_TILE]), _row_desc(lse2)
     _bwd_dkdv_hopper_kernel[grid](
         _desc(k8, [KEYS_PER_PROGRAM, D]), _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(q8, [QUERIES_PER_TILE, D]),
-        qt_desc, _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
-        lse_desc, _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
+        _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
+        _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
-        # FUSED_DQ's two descriptors last, so that the other arguments keep their places (and the kernel without
-        # FUSED_DQ its instructions); without it they are unread repeats of two of the others
-        _desc(k8t, [D, KEYS_PER_PROGRAM]) if fused else qt_desc,
-        _f32_desc(dq_acc, [QUERIES_PER_TILE, D // 2]) if fused else lse_desc,
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, FUSED_DQ=fused,
-        FMAX=float(fmax), POW2=bool(pow2), num_warps=4,
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, num_warps=4,
     )
-

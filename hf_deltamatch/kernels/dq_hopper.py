@@ -13,7 +13,6 @@ other. Per key tile of 128 keys (stage s), in one warpgroup (rows r0 .. r0+63):
   pass 2: S, dP, P again; dS = P (dP sdo sv - delta); sds = tile_scale(absmax dS), stored for the dK/dV kernel;
           dQ = dQ * (c / c') + (dS / sds)8 k8   (c' = sds * sk: dq is kept in units of the last tile's c')
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dq_kernel` (tests/test_kernels_gpu.py).
-DQ_PASS False: pass 1 alone, for the dK/dV kernel that adds dQ up (dkdv_hopper FUSED_DQ).
 """
 
 from triton.experimental import gluon
@@ -28,15 +27,11 @@ from ._gluon import (
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
-            qo_bar, ready, empty, q_row, kv_row, kt_row, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr,
-            DQ_PASS: gl.constexpr):
+            qo_bar, ready, empty, q_row, kv_row, kt_row, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr):
     mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
     tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
-    n_u = n_k
-    if DQ_PASS:
-        n_u = 2 * n_k
-    for u in range(n_u):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
+    for u in range(2 * n_k):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
         j = u % n_k
         s = u % STAGES
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
@@ -56,8 +51,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v
 def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty,
                    SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
                    dss_tk, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
-                   DQ_PASS: gl.constexpr):
+                   SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     a_layout: gl.constexpr = fp8_a_layout(d_layout)
@@ -94,52 +88,50 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
             delta += gl.sum(p * dp_acc, 1) * dpf
         else:
             delta += gl.sum(p * (dp_acc * dpf), 1)
-    if DQ_PASS:  # else the correction pass alone, for the dK/dV kernel that adds dQ up (dkdv_hopper FUSED_DQ)
-        dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
-        rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
-        ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
-        c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile)
-        for j in range(n_k):  # pass 2: dS and dQ
-            u = n_k + j
-            s = u % STAGES
-            mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-            s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-            dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
-            sk_t = gl.load(SK + kv_row + j * BLOCK_N)
-            s_f = row_f * sk_t
-            dpf = dp_f * gl.load(SV + kv_row + j * BLOCK_N)
-            s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
-            p = gl.exp2(s_acc * s_f - lse2[:, None])
-            if CAUSAL:
-                if j == n_k - 1:
-                    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-                    p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
-            dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
-            ds = p * (dp_acc * dpf - delta[:, None])
-            if ROW_SUMS:
-                rs += gl.sum(ds, 1)
-                ra += gl.sum(gl.abs(ds), 1)
-            sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
-            gl.store(DSS + dss_row * dss_tk + j, sds)  # this warpgroup's tile, for the dK/dV kernel
-            c = sds * sk_t
-            dq = dq * (c_dq / c)
-            c_dq = c
-            # multiply by 1/sds: fp32 `/` is a MUFU op per element, and exp2 keeps the MUFU busy
-            ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in k_order
-            dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
-            # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            mbarrier.arrive(empty.index(s))
-        dq = dq * (c_dq * softmax_scale)
-        drows = row0 + r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, d_layout))
-        dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
-        gl.store(DQ + drows.to(gl.int64)[:, None] * HEAD_D + dcols[None, :], dq.to(DQ.dtype.element_ty))
+    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
+    rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
+    ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile)
+    for j in range(n_k):  # pass 2: dS and dQ
+        u = n_k + j
+        s = u % STAGES
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+        s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+        dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+        sk_t = gl.load(SK + kv_row + j * BLOCK_N)
+        s_f = row_f * sk_t
+        dpf = dp_f * gl.load(SV + kv_row + j * BLOCK_N)
+        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
+        p = gl.exp2(s_acc * s_f - lse2[:, None])
+        if CAUSAL:
+            if j == n_k - 1:
+                keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+                p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
+        dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
+        ds = p * (dp_acc * dpf - delta[:, None])
+        if ROW_SUMS:
+            rs += gl.sum(ds, 1)
+            ra += gl.sum(gl.abs(ds), 1)
+        sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
+        gl.store(DSS + dss_row * dss_tk + j, sds)  # this warpgroup's tile, for the dK/dV kernel
+        c = sds * sk_t
+        dq = dq * (c_dq / c)
+        c_dq = c
+        # multiply by 1/sds: fp32 `/` is a MUFU op per element, and exp2 keeps the MUFU busy
+        ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in k_order
+        dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
+        # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        mbarrier.arrive(empty.index(s))
+    dq = dq * (c_dq * softmax_scale)
+    drows = row0 + r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, d_layout))
+    dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
+    gl.store(DQ + drows.to(gl.int64)[:, None] * HEAD_D + dcols[None, :], dq.to(DQ.dtype.element_ty))
     gl.store(DELTA + row0 + rows, delta)
     gl.store(LSE2 + row0 + rows, lse2 - 8.0)  # for the dK/dV kernel: its exp2 then yields P * 256
-    if DQ_PASS:
-        if ROW_SUMS:
-            gl.store(RS + row0 + rows, rs)
-            gl.store(RA + row0 + rows, ra)
+    if ROW_SUMS:
+        gl.store(RS + row0 + rows, rs)
+        gl.store(RA + row0 + rows, ra)
 
 
 @gluon.jit
@@ -148,7 +140,6 @@ def _bwd_dq_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
-    DQ_PASS: gl.constexpr,
 ):
     kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS, CAUSAL)
     row0 = pid_bh * N  # this head's rows in the (B*Hq*N,) row arrays and the (B*Hq*N, D) view of q8, dO8, dQ
@@ -158,8 +149,7 @@ def _bwd_dq_hopper_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    KT_STAGES: gl.constexpr = STAGES if DQ_PASS else 1  # k8^T is read by the dQ pass only
-    kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [KT_STAGES] + kt_desc.block_type.shape, kt_desc.layout)
+    kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_type.shape, kt_desc.layout)
     qo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(qo_bar, count=1)
     ready, empty = _ring_barriers(STAGES)
@@ -168,20 +158,18 @@ def _bwd_dq_hopper_kernel(
     gl.warp_specialize([
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
-                          0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS, DQ_PASS)),
+                          0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS)),
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
-                          dss_tk, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS, DQ_PASS)),
+                          dss_tk, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
-                   empty, row0 + q0, kv_row, kvh * HEAD_D, n_k, STAGES, HEAD_D, DQ_PASS)),
+                   empty, row0 + q0, kv_row, kvh * HEAD_D, n_k, STAGES, HEAD_D)),
     ], [4, 1], [240, 24])
 
 
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
-              dss_tq, dss_tk, grid, n_tiles, head_group, stages, scale_after_sum, fmax, pow2, row_sums,
-              dq_pass=True):
-    """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks).
-    dq_pass=False: the correction pass alone (delta and LSE2; dq, dss and the row sums untouched)."""
+              dss_tq, dss_tk, grid, n_tiles, head_group, stages, scale_after_sum, fmax, pow2, row_sums):
+    """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks)."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     _bwd_dq_hopper_kernel[grid](
@@ -189,5 +177,5 @@ def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, 
         _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
         dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
-        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, DQ_PASS=bool(dq_pass), num_warps=4,
+        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, num_warps=4,
     )

@@ -18,14 +18,12 @@ from ._fp8 import INTERPRET
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
-# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
-# "dkdv_hopper_dq": True / False (see _fused_dq)}.
+# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages",
-              "dkdv_hopper_dq"}
+              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -249,18 +247,6 @@ def _fwd_hopper_cfg() -> dict:
 def _dq_hopper_cfg() -> dict:
     """dq_hopper.dq_hopper's options: DQ_HOPPER_STAGES or TUNE["dq_hopper_stages"]."""
     return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)))
-
-
-# Whether the Gluon dK/dV kernel also adds dQ up (dkdv_hopper FUSED_DQ: dS8 through shared memory, dQ partials by
-# TMA reduce-adds into an fp32 buffer) so that the Gluon dQ kernel runs the correction pass alone: one of the
-# backward's three passes over S, dP and exp2 less. PREPARED in session 9 and compiled for sm_90 on the CPU only
-# (no device time was left): off until its GPU test has passed and the H200 has timed it.
-FUSED_DQ = False
-
-
-def _fused_dq() -> bool:
-    """FUSED_DQ or TUNE["dkdv_hopper_dq"]; applies where both Gluon backward kernels run (kernels.backward)."""
-    return bool(TUNE.get("dkdv_hopper_dq", FUSED_DQ))
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
