@@ -34,10 +34,34 @@ SHAPES = {
     "d64-causal": (2, 32, 32, 8192, 64, True),
     "gqa-causal": (2, 16, 4, 8192, 128, True),
     "d256-causal": (2, 8, 8, 8192, 256, True),
+    # packed batches (varlen, B = 1, causal within each document): 32768 tokens, as four 8K training rows that
+    # DataCollatorWithFlattening flattened into one, documents of PACKED_DOCS' seeded lengths
+    "packed-d128": (1, 16, 16, 32768, 128, True),
+    "packed-gqa": (1, 16, 4, 32768, 128, True),
 }
 
 
-def flops(B, H, N, D, causal):
+def packed_cu(total, seed=0):
+    """cu_seqlens of documents filling `total` tokens: log-normal lengths (median ~900, a long tail, at most 8192,
+    at least 16), the last one cut to fit; the same for a given seed everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, n = [], 0
+    while n < total:
+        length = int(min(8192, max(16, torch.empty(1).log_normal_(6.8, 1.0, generator=g).item())))
+        length = min(length, total - n)
+        lengths.append(length)
+        n += length
+    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _cu(name, N):
+    return packed_cu(N).cuda() if name.startswith("packed") else None
+
+
+def flops(B, H, N, D, causal, cu=None):
+    """Attention FLOPs of the forward; a packed batch's are its documents' sum."""
+    if cu is not None:
+        return sum(flops(B, H, int(n), D, causal) for n in (cu[1:] - cu[:-1]).tolist())
     f = 4 * B * H * N * N * D
     return f / 2 if causal else f
 
@@ -69,16 +93,34 @@ def run_shape(name, B, Hq, Hkv, N, D, causal, precision="fp8", delta="matching",
     k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
     do = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
-    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None, config=cfg)
+    cu = _cu(name, N)
+    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu, cu_seqlens_k=cu, config=cfg)
     f = K.forward(q, k, v, **kw)
     fwd = lambda: K.forward(q, k, v, **kw)  # noqa: E731
     bwd = lambda: K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)  # noqa: E731
     t_fwd, t_bwd = bench(fwd), (float("nan") if fwd_only else bench(bwd))
     kf, kb = kernel_times(fwd), ({} if fwd_only else kernel_times(bwd))
-    F = flops(B, Hq, N, D, causal)
+    F = flops(B, Hq, N, D, causal, cu)
     return dict(name=name, precision=precision, delta=delta, fwd_ms=t_fwd, bwd_ms=t_bwd, total_ms=t_fwd + t_bwd,
                 fwd_tflops=F / t_fwd / 1e9, total_tflops=3.5 * F / (t_fwd + t_bwd) / 1e9,
                 fwd_kernels=kf, bwd_kernels=kb)
+
+
+def varlen_flash(Hq, Hkv, N, D, cu):
+    """torch.nn.attention.varlen.varlen_attn (FlashAttention-2) on a packed batch, causal: the base of the packed
+    shapes (SDPA has no packed batches)."""
+    from torch.nn.attention.varlen import varlen_attn
+    q = torch.randn(N, Hq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(N, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(N, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(N, Hq, D, device="cuda", dtype=torch.bfloat16)
+    longest = int((cu[1:] - cu[:-1]).max())
+    try:  # torch >= 2.10: causal as a window
+        varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))
+        f = lambda: varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))  # noqa: E731
+    except TypeError:
+        f = lambda: varlen_attn(q, k, v, cu, cu, longest, longest, is_causal=True)  # noqa: E731
+    return dict(fwd_ms=bench(f), total_ms=bench(lambda: torch.autograd.grad(f(), (q, k, v), do)))
 
 
 def sdpa(B, Hq, Hkv, N, D, causal, backend):
@@ -119,13 +161,18 @@ def main():
     for name in args.shapes.split(","):
         B, Hq, Hkv, N, D, causal = SHAPES[name]
         base_name = "sdpa-cudnn"
+        cu = _cu(name, N)
         try:
-            base = sdpa(B, Hq, Hkv, N, D, causal, "cudnn")
-        except RuntimeError as e:  # cuDNN may not take the head dim: FlashAttention-2 then, and said so
-            lines.append(f"{name:12s} sdpa-cudnn failed ({str(e)[:80]}); base: sdpa-flash")
+            if cu is not None:
+                base_name = "varlen-flash2"
+                base = varlen_flash(Hq, Hkv, N, D, cu)
+            else:
+                base = sdpa(B, Hq, Hkv, N, D, causal, "cudnn")
+        except (RuntimeError, ImportError) as e:  # cuDNN may not take the head dim: FlashAttention-2 then
+            lines.append(f"{name:12s} {base_name} failed ({str(e)[:80]}); base: sdpa-flash")
             base_name = "sdpa-flash"
             base = sdpa(B, Hq, Hkv, N, D, causal, "flash")
-        F = flops(B, Hq, N, D, causal)
+        F = flops(B, Hq, N, D, causal, cu)
         base["fwd_tflops"] = F / base["fwd_ms"] / 1e9
         base["total_tflops"] = 3.5 * F / base["total_ms"] / 1e9
         rows.append(dict(name=name, op=base_name, **base))

@@ -109,9 +109,11 @@ def gluon_signature(fn, constexprs, d):
             sig[a] = f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>"
         elif a in ("O", "DQ", "DK", "DV"):
             sig[a] = "*bf16"
+        elif a in ("CU", "PCU"):  # a packed batch's cu_seqlens and padded starts (kernels.segments)
+            sig[a] = "*i32"
         elif a == "softmax_scale":
             sig[a] = "fp32"
-        elif a.isupper() and a != "N":
+        elif a.isupper() and a not in ("N", "N_OUT"):
             sig[a] = "*fp32"
         else:
             sig[a] = "i32"
@@ -156,7 +158,7 @@ def usage(fn, constexprs, warps, stages, maxnreg=None):
                      for line in sass.splitlines() if "/*" in line and ";" in line)
     return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=int(stack.group(1)) if stack else None,
                 smem=c.metadata.shared, mma=mma, serialized="; ".join(serialized) or "no", loops=loops(sass),
-                sass_md5=hashlib.md5(body.encode()).hexdigest()[:12])
+                sass_md5=hashlib.md5(body.encode()).hexdigest()[:12], sass=body)
 
 
 # opcode -> the report's column (the rest count as "other": integer, uniform-datapath, predicate, branch ops)
@@ -202,6 +204,8 @@ def main():
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--full", action="store_true", help="the full mask instead of causal")
     p.add_argument("--groups", type=int, default=1, help="query heads per KV head (GQA)")
+    p.add_argument("--varlen", action="store_true", help="the Gluon kernels' packed-batch variant (causal)")
+    p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) to, <kernel>.sass")
     p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
     p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
     args = p.parse_args()
@@ -238,22 +242,29 @@ def main():
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
             cfg = K._dkdv_hopper_cfg()
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
-                                                            STAGES=cfg["stages"], FOLD=cfg["fold"]), 4, 1)
+                                                            STAGES=cfg["stages"], FOLD=cfg["fold"],
+                                                            VARLEN=args.varlen), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=K._dq_hopper_cfg()["stages"],
-                SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False), 4, 1)
+                SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
+                VARLEN=args.varlen), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
             jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
-                                                           STAGES=K._fwd_hopper_cfg()["stages"]), 4, 1)
+                                                           STAGES=K._fwd_hopper_cfg()["stages"],
+                                                           VARLEN=args.varlen), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))
             print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
                   f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']} sass={u['sass_md5']}",
                   flush=True)
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
+                    f.write(u["sass"])
             if args.loops:
                 for lo, counts in u["loops"]:
                     print(f"{'':46s} loop @{lo:#07x}: " + " ".join(f"{k}={v}" for k, v in counts.items()), flush=True)

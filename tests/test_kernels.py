@@ -197,7 +197,7 @@ def test_tma_and_pointer_paths_agree():
     assert not K._use_tma("fwd", True, 64, 64, starts_aligned=False)
     z = torch.zeros(1, 1, 300, 64)
     cu = torch.tensor([0, 96, 160, 300], dtype=torch.int32)
-    info = K._seq_info(z, z, cu, cu)  # (nseq, max_n, max_m, cu_q, cu_k, starts_aligned)
+    info = K._seq_info(z, z, cu, cu)  # (nseq, max_n, max_m, cu_q, cu_k, starts_aligned, packing)
     assert info[:3] == (3, 140, 140) and info[5] is True
     assert K._seq_info(z, z, cu, cu + torch.tensor([0, 1, 0, 0], dtype=torch.int32))[5] is False
     assert K._seq_info(z, z, None, None)[5] is True

@@ -278,6 +278,51 @@ def test_dq_hopper_kernel(stages):
         assert max(errs) < 1e-3, errs
 
 
+@pytest.mark.parametrize("cu", [[0, 1000, 1001, 3000, 4096], [0, 64, 64, 192, 1301, 2720]])
+def test_hopper_packed(cu):
+    """The Gluon kernels on packed batches (kernels/segments.py: each sequence padded to a multiple of 128 rows,
+    outputs to the packed rows) against the Triton kernels on the same inputs and saved tensors (the forward bit
+    for bit, as on dense batches; the backward within the dense Gluon tests' 1e-3), and against the reference.
+    Sequences of 1, 64 and 128 tokens, an empty one, and (second case) tokens after the last sequence, whose
+    outputs stay 0 (LSE -inf); GQA and MHA."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernels are written against Triton 3.6's Gluon API")
+    N, D = 4096, 128
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    end = cu[-1]
+    for Hq, Hkv in ((4, 2), (4, 4)):
+        q, k, v, do = _inputs(1, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=7)
+        kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
+                  config=DeltaMatchConfig())
+        case = dict(fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=True, window=None, n=N, m=N,
+                    device=q.device, lse2_in=True, p_shift=8, packed=True)
+        runs = {}
+        for name, tune in (("gluon", {}), ("triton", dict(hopper_packed=False))):
+            K.TUNE.update(tune)
+            try:  # the Gluon run must take the Gluon kernels, or the comparison proves nothing
+                assert K._fwd_hopper(D, **{k_: case[k_] for k_ in ("fp8", "dqk", "dv", "block", "varlen", "window",
+                                                                    "n", "m", "device", "packed")}) \
+                    == K._dkdv_hopper(D, **case) == K._dq_hopper(D, stale=False, **case) == (name == "gluon")
+                f = K.forward(q, k, v, **kw)
+                runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
+            finally:
+                K.TUNE.clear()
+        (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
+        print("GLUON PACKED FWD vs TRITON", cu, Hq, Hkv, _rel(fg[0][:, :, :end], ft[0][:, :, :end]),
+              (fg[1][:, :, :end] - ft[1][:, :, :end]).abs().max().item())
+        assert torch.equal(fg[0], ft[0]) and torch.equal(fg[1], ft[1]), "forward"
+        for a, b in zip(fg[2:], ft[2:]):  # the saved tensors: the same quantization
+            assert torch.equal(a.float(), b.float())
+        errs = [_rel(a[:, :, :end], b[:, :, :end]) for a, b in zip(gg, gt)]
+        print("GLUON PACKED vs TRITON", cu, Hq, Hkv, errs)
+        assert max(errs) < 1e-3, errs
+        for t in (*fg[:1], *gg):
+            assert torch.isfinite(t).all() and not t[:, :, end:].float().any()
+        assert (fg[1][:, :, end:] == float("-inf")).all()
+    _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu)  # the default path (Gluon) against the reference
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 def test_fwd_hopper_kernel(stages):
     """The Gluon forward (fwd_hopper.py, TUNE fwd_hopper; on at D=128) against the
@@ -377,7 +422,8 @@ def test_tokens_outside_sequences_are_zero_and_tma_matches_pointers():
             assert not t[:, :, 2720:].float().any()
         results = []
         for tma in (True, False):
-            K.TUNE.update(fwd_tma=tma, dq_tma=tma, dkdv_tma=tma)
+            # the Triton kernels' two paths (the Gluon ones take packed batches by default: test_hopper_packed)
+            K.TUNE.update(fwd_tma=tma, dq_tma=tma, dkdv_tma=tma, hopper_packed=False)
             try:
                 assert K._seq_info(q, k, cu, cu)[5]
                 out = K.forward(q, k, v, **kw)[:2]

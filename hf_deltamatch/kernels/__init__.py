@@ -31,6 +31,7 @@ from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmark
     _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid, _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
+from .segments import pad, padded_layout, padded_rows
 
 __all__ = ["backward", "forward", "supports"]
 
@@ -84,20 +85,35 @@ def supports(q, k, v, window, config) -> str | None:
 
 
 def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
-    """(nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, starts_aligned) of the launch grids, the cu_seqlens as
-    contiguous int32 for the kernels; dense batches are one 'sequence' per batch row. starts_aligned: every
-    sequence starts at a multiple of 16 tokens (_use_tma). One host sync for a varlen batch, none for a dense one."""
+    """(nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, starts_aligned, packing) of the launch grids, the
+    cu_seqlens as contiguous int32 for the kernels; dense batches are one 'sequence' per batch row.
+    starts_aligned: every sequence starts at a multiple of 16 tokens (_use_tma). packing: for a varlen batch whose
+    query and key sequences are the same (self-attention), (first token, end token, rows of the padded layout)
+    for segments.padded_layout, else None. One host sync for a varlen batch, none for a dense one."""
     if cu_seqlens_q is None:
-        return 1, q.shape[2], k.shape[2], None, None, True
+        return 1, q.shape[2], k.shape[2], None, None, True, None
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
     cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
     nseq = cu_seqlens_q.numel() - 1
     if nseq < 1:
-        return 0, 0, 0, cu_seqlens_q, cu_seqlens_k, True
-    lq, lk, rq, rk = torch.stack([(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max(),
-                                  (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max(),
-                                  (cu_seqlens_q[:-1] % 16).max(), (cu_seqlens_k[:-1] % 16).max()]).tolist()
-    return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0
+        return 0, 0, 0, cu_seqlens_q, cu_seqlens_k, True, None
+    lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if cu_seqlens_k.shape == cu_seqlens_q.shape:
+        differ = (cu_seqlens_q != cu_seqlens_k).any()
+    else:
+        differ = torch.ones((), dtype=torch.bool, device=cu_seqlens_q.device)
+    lq, lk, rq, rk, first, last, npad, differ = torch.stack([x.long() for x in (
+        lengths.max(), (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max(),
+        (cu_seqlens_q[:-1] % 16).max(), (cu_seqlens_k[:-1] % 16).max(),
+        cu_seqlens_q[0], cu_seqlens_q[-1], padded_rows(lengths).sum(), differ)]).tolist()
+    packing = None if differ else (int(first), int(last), int(npad))
+    return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0, packing
+
+
+def _packed(packing, B: int, causal: bool, window) -> bool:
+    """Whether a varlen batch is one the Gluon kernels can take padded (launch._hopper_case's `packed`): the same
+    query and key sequences (_seq_info's packing), one batch row, causal, no window."""
+    return packing is not None and B == 1 and bool(causal) and window is None
 
 
 def _desc(x, tokens: int, dims: int):
@@ -125,17 +141,21 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     _check_tune()
     if q.is_cuda and not INTERPRET:
         _warn_untested_triton()
-    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
     qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q)
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k)
     d = max(dqk, dv)
+    packed = _packed(packing, B, causal, window)
     hopper = fp8 and _fwd_hopper(d, fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen,
-                                 window=window if causal else None, n=N, m=M, device=q.device)
+                                 window=window if causal else None, n=N, m=M, device=q.device, packed=packed)
     if fp8:
         q8, _, sq = quantize(q, **qkw)
         k8, _, sk = quantize(k, **kvw)
-        # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
-        v8, v8t, sv = quantize(v, transposed=True, k_order=hopper, **kvw)
+        if hopper and varlen:  # the Gluon forward's token-major V comes from the padded copy (_forward_packed)
+            v8, v8t, sv = quantize(v, **kvw)
+        else:
+            # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
+            v8, v8t, sv = quantize(v, transposed=True, k_order=hopper, **kvw)
         qa, ka, va = q8, k8, v8t  # the forward reads V token-major (K-major B operand of P8 @ V)
     else:
         q8, k8, v8 = (q.new_empty(0, dtype=torch.float8_e4m3fn) for _ in range(3))
@@ -152,9 +172,15 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         return out, lse, q8, k8, v8, sq, sk, sv
     if hopper:  # quantize() made q8, k8 contiguous
         from .fwd_hopper import QUERIES_PER_PROGRAM, fwd_hopper
-        grid, n_tiles, head_group = _grid("fwd", N // QUERIES_PER_PROGRAM, B * Hq, nseq, bool(causal))
-        fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid,
-                   n_tiles=n_tiles, head_group=head_group, **_fwd_hopper_cfg())
+        seg, ops = None, (q8, k8, v8t, sq, sk, sv)
+        if varlen:  # the sequences' rows padded to multiples of 128 (segments.py); out and lse stay packed
+            seg = padded_layout(cu_seqlens_q, *packing)
+            ops = (pad(q8, seg), pad(k8, seg), token_major(pad(v8, seg), k_order=True),
+                   *(pad(s, seg, 1.0) for s in (sq, sk, sv)))
+        tiles = triton.cdiv(max(max_n, 1), QUERIES_PER_PROGRAM) if varlen else N // QUERIES_PER_PROGRAM
+        grid, n_tiles, head_group = _grid("fwd", tiles, B * Hq, nseq, bool(causal))
+        fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
+                   head_group=head_group, segments=seg, **_fwd_hopper_cfg())
         return out, lse, q8, k8, v8, sq, sk, sv
     tma = _use_tma("fwd", fp8, dqk, dv, aligned)
     BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
@@ -191,7 +217,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
     _check_tune()
-    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
     if stale and out is None:
         raise ValueError("delta='stale' needs the forward output.")
     lse = lse.contiguous()
@@ -208,11 +234,15 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     # the Gluon kernels (dkdv_hopper, dq_hopper) where they apply; both take the dS scales from the dQ kernel
+    # packed batches: not with the invariant's row sums (the dQ kernel would write them padded)
     case = dict(fp8=fp8, e4m3=config.grad_format == "e4m3", dqk=dqk, dv=dv, block=T, varlen=varlen,
-                window=window if causal else None, n=N, m=M, device=do.device, lse2_in=lse2_in, p_shift=p_shift)
+                window=window if causal else None, n=N, m=M, device=do.device, lse2_in=lse2_in, p_shift=p_shift,
+                packed=_packed(packing, B, causal, window) and not return_row_sums)
     case_ok = fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
     hopper = case_ok and _dkdv_hopper(d, **case)
     hopper_dq = case_ok and _dq_hopper(d, stale=stale, **case)
+    if varlen and not (hopper and hopper_dq):  # packed, the two hand each other padded rows: both or neither
+        hopper = hopper_dq = False
     ds_scales = (_dkdv_ds_scales(d, fp8, Hq != Hkv) or hopper or hopper_dq) and N > 0 and M > 0
     kv_n = _dkdv_block_n(T, d, ds_scales)
     # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
@@ -232,6 +262,11 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     k8t = q8t = do8t = None
     if fp8:
         do8, _, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n)
+        if varlen and hopper:
+            _backward_packed(do8, q8, k8, v8, q_scale, k_scale, v_scale, sdo, lse, dq, dk, dv_,
+                             padded_layout(cu_seqlens_q, *packing), softmax_scale=softmax_scale, config=config,
+                             max_n=max_n, nseq=nseq)
+            return _ret()
         sq, sk, sv = q_scale, k_scale, v_scale
         doa = do8
     else:
@@ -307,3 +342,31 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                 num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
             )
     return _ret()
+
+
+def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n,
+                     nseq):
+    """The backward of a packed batch through the Gluon kernels (backward() checked the case): every input copied
+    into seg's padded layout (segments.py: LSE padded with -inf, so a padded row's P is 0), dq, dk, dv written to
+    their packed rows. LSE2, delta and the dS scales stay in the padded layout between the two kernels."""
+    from .dkdv_hopper import KEYS_PER_PROGRAM, dkdv_hopper
+    from .dq_hopper import QUERIES_PER_PROGRAM, dq_hopper
+    B, Hq, _, D = q8.shape
+    Hkv = k8.shape[1]
+    q8, k8, v8, do8 = (pad(x, seg) for x in (q8, k8, v8, do8))
+    sq, sk, sv, sdo = (pad(s, seg, 1.0) for s in (sq, sk, sv, sdo))
+    lse = pad(lse, seg, float("-inf"))
+    rows = dict(dtype=torch.float32, device=q8.device)
+    delta, lse2 = torch.empty((B, Hq, seg.npad), **rows), torch.empty((B, Hq, seg.npad), **rows)
+    dss_tq, dss_tk = seg.npad // DS_TILE_Q, seg.npad // config.block
+    dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
+    common = dict(causal=True, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
+    grid, n_tiles, head_group = _grid("dq", triton.cdiv(max(max_n, 1), QUERIES_PER_PROGRAM), B * Hq, nseq, True)
+    dq_hopper(q8, k8, token_major(k8, k_order=True), v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta,
+              delta, grid=grid, n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D),
+              fmax=FP8_MAX["e4m3"], pow2=config.scale_rounding == "pow2", row_sums=False, **common,
+              **_dq_hopper_cfg())
+    grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max(max_n, 1), KEYS_PER_PROGRAM), B * Hkv, nseq, True)
+    dkdv_hopper(q8, token_major(q8, k_order=True), k8, v8, do8, token_major(do8, k_order=True), sq, sk, sv, sdo,
+                lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles, head_group=head_group, **common,
+                **_dkdv_hopper_cfg())

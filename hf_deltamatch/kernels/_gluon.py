@@ -101,10 +101,23 @@ def _ring_barriers(STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _segment(CU, PCU, N, VARLEN: gl.constexpr):
+    """(first padded row, tokens, first output row) of this program's sequence: grid axis 2 of a packed batch, whose
+    sequence s sits at rows PCU[s] .. of the padded inputs (kernels.segments) and CU[s] .. of the outputs; a dense
+    batch is one sequence of N rows at row 0 (constants: the dense kernels compile as without varlen)."""
+    if VARLEN:
+        s = gl.program_id(2)
+        start = gl.load(CU + s)
+        return gl.load(PCU + s), gl.load(CU + s + 1) - start, start
+    else:
+        return 0, N, 0
+
+
+@gluon.jit
 def _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS: gl.constexpr, CAUSAL: gl.constexpr):
-    """(KV head b * Hkv + hk, first query, query head b * Hq + h, key tiles) of a query-major program of two
-    warpgroups' queries (fwd_hopper, dq_hopper): the heaviest (last, under causal) query blocks first, as the
-    Triton kernels."""
+    """(KV head b * Hkv + hk, first query of the sequence's block, query head b * Hq + h, key tiles) of a
+    query-major program of two warpgroups' queries (fwd_hopper, dq_hopper): the heaviest (last, under causal)
+    query blocks first, as the Triton kernels. N: the sequence's tokens (a packed batch: causal only)."""
     t, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hq + h
     pid_m = n_tiles - 1 - t
     b = pid_bh // Hq

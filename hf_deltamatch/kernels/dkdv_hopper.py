@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _ring_barriers, _row_desc,
-    fp8_a_layout, fp8_operand, mma_layout, tma_load,
+    _segment, fp8_a_layout, fp8_operand, mma_layout, tma_load,
 )
 
 
@@ -64,8 +64,8 @@ def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_
 @gluon.jit
 def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
                    SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
-                   WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, FOLD: gl.constexpr):
+                   key_end, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     a_layout: gl.constexpr = fp8_a_layout(d_layout)
@@ -138,30 +138,47 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         mbarrier.arrive(empty.index(s))  # this stage's tiles are read
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
-    rows = out_row + kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
+    keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
     dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
-    offs = rows.to(gl.int64)[:, None] * HEAD_D + dcols[None, :]
-    gl.store(DK + offs, dk.to(DK.dtype.element_ty))
-    gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+    offs = (out_row + keys_out).to(gl.int64)[:, None] * HEAD_D + dcols[None, :]
+    if VARLEN:  # the sequence's keys only (key_end: its end in the padded layout)
+        kmask = (keys_out < key_end)[:, None]
+        gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=kmask)
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=kmask)
+    else:
+        gl.store(DK + offs, dk.to(DK.dtype.element_ty))
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty))
 
 
 @gluon.jit
 def _bwd_dkdv_hopper_kernel(
     k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
-    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
+    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
+    # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
+    # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
+    base, length, start = _segment(CU, PCU, N, VARLEN)
     # the heaviest (first, under causal) key tiles first, as backward._bwd_dkdv_kernel
     pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hkv + hk
+    if VARLEN:
+        if pid_n * BLOCK_N >= length:  # a key tile past this sequence's end (the grid covers the longest)
+            return
     b = pid_bh // Hkv
     hk = pid_bh % Hkv
-    n0 = pid_n * BLOCK_N
+    n0 = base + pid_n * BLOCK_N
     kv_row = pid_bh * N + n0  # rows of the (B*Hkv*M, D) views of k8, v8, dK, dV
     bh0 = b * Hq + hk * GROUPS  # the group's first query head
     lo = n0 * 0
     if CAUSAL:
         lo = n0
-    n_q = (N - lo) // BLOCK_M
+    if VARLEN:  # causal: the query tiles from the diagonal to the sequence's last (padded rows have P = 0)
+        n_q = (base + (length + BLOCK_M - 1) // BLOCK_M * BLOCK_M - lo) // BLOCK_M
+        out_row = pid_bh * N_OUT + start - base  # + a padded key row: its packed row in dK, dV
+    else:
+        n_q = (N - lo) // BLOCK_M
+        out_row = pid_bh * N
     col_f = softmax_scale * 1.4426950408889634 * gl.load(SK + kv_row)
     dp_f = gl.load(SV + kv_row)
 
@@ -180,10 +197,10 @@ def _bwd_dkdv_hopper_kernel(
     gl.warp_specialize([
         (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
                           empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq,
-                          dss_tk, pid_bh * N, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD)),
+                          dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN)),
         (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready,
                           empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq,
-                          dss_tk, pid_bh * N, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD)),
+                          dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN)),
         (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
                    qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                    bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES)),
@@ -191,14 +208,18 @@ def _bwd_dkdv_hopper_kernel(
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
-                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold):
-    """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper)."""
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, segments=None):
+    """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over M // 128 key tiles, or
+    the longest sequence's tiles x the sequences). segments: a packed batch's kernels.segments.Segments, every
+    tensor but dk, dv in its padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
+    cu, pcu = (segments.cu, segments.pcu) if segments is not None else (sq, sq)  # unread without VARLEN
     _bwd_dkdv_hopper_kernel[grid](
         _desc(k8, [KEYS_PER_PROGRAM, D]), _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(q8, [QUERIES_PER_TILE, D]),
         _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
-        Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, num_warps=4,
+        Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
+        num_warps=4,
     )

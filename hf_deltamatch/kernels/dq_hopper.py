@@ -2,7 +2,9 @@
 
 The same contract and arithmetic as `_bwd_dq_kernel` (backward.py) with 64-row blocks (ONE_TILE), matching
 delta, LSE2_OUT (P_SHIFT 8) and DSS_OUT, for its common case only (launch._dq_hopper says when): fp8 e4m3,
-Dqk = Dv in (64, 128), no varlen, no window, N = M a multiple of 128, causal or full, any GQA group.
+Dqk = Dv in (64, 128), no window, N = M a multiple of 128, causal or full, any GQA group, or a causal packed
+batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, as LSE, delta, LSE2 and the dS
+scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows).
 
 Why: `_bwd_dq_kernel` at D=128 takes 116 KB of shared memory, so one warpgroup runs per SM and nothing
 overlaps its softmax. Here a program covers 128 queries: the loader (1 warp) streams each key tile once for
@@ -20,14 +22,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
-    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, fp8_a_layout,
-    fp8_operand, mma_layout, tile_scale, tma_load,
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, _segment,
+    fp8_a_layout, fp8_operand, mma_layout, tile_scale, tma_load,
 )
 
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
-            qo_bar, ready, empty, q_row, kv_row, kt_row, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr):
+            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr):
     mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
     tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
@@ -44,14 +46,15 @@ def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v
         tma_load(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
         tma_load(v_desc, [kv_row + j * BLOCK_N, 0], bar, v_smem.index(s))
         if u >= n_k:
-            tma_load(kt_desc, [kt_row, j * BLOCK_N], bar, kt_smem.index(s))
+            tma_load(kt_desc, [kt_row, kt_col + j * BLOCK_N], bar, kt_smem.index(s))
 
 
 @gluon.jit
 def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty,
                    SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
-                   dss_tk, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr):
+                   dss_tk, dss_col0, out0, length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
+                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     a_layout: gl.constexpr = fp8_a_layout(d_layout)
@@ -113,7 +116,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
             rs += gl.sum(ds, 1)
             ra += gl.sum(gl.abs(ds), 1)
         sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
-        gl.store(DSS + dss_row * dss_tk + j, sds)  # this warpgroup's tile, for the dK/dV kernel
+        gl.store(DSS + dss_row * dss_tk + dss_col0 + j, sds)  # this warpgroup's tile, for the dK/dV kernel
         c = sds * sk_t
         dq = dq * (c_dq / c)
         c_dq = c
@@ -124,9 +127,13 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         mbarrier.arrive(empty.index(s))
     dq = dq * (c_dq * softmax_scale)
-    drows = row0 + r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, d_layout))
+    drows = r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, d_layout))
     dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
-    gl.store(DQ + drows.to(gl.int64)[:, None] * HEAD_D + dcols[None, :], dq.to(DQ.dtype.element_ty))
+    dptrs = DQ + (out0 + drows).to(gl.int64)[:, None] * HEAD_D + dcols[None, :]
+    if VARLEN:  # the sequence's rows only
+        gl.store(dptrs, dq.to(DQ.dtype.element_ty), mask=(drows < length)[:, None])
+    else:
+        gl.store(dptrs, dq.to(DQ.dtype.element_ty))
     gl.store(DELTA + row0 + rows, delta)
     gl.store(LSE2 + row0 + rows, lse2 - 8.0)  # for the dK/dV kernel: its exp2 then yields P * 256
     if ROW_SUMS:
@@ -137,13 +144,23 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
 @gluon.jit
 def _bwd_dq_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, kt_desc, SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA,
-    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk,
+    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
-    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS, CAUSAL)
-    row0 = pid_bh * N  # this head's rows in the (B*Hq*N,) row arrays and the (B*Hq*N, D) view of q8, dO8, dQ
-    kv_row = kvh * N  # the KV head's rows in the (B*Hkv*M, D) views of k8, v8 and in sk, sv
+    # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
+    base, length, start = _segment(CU, PCU, N, VARLEN)
+    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL)
+    if VARLEN:
+        if q0 >= length:  # a block past this sequence's end (the grid covers the longest)
+            return
+    row0 = pid_bh * N + base  # the sequence's rows in the (B*Hq*N,) row arrays and the (B*Hq*N, D) views of q8, dO8
+    kv_row = kvh * N + base  # the KV head's rows in the (B*Hkv*M, D) views of k8, v8 and in sk, sv
+    if VARLEN:
+        out0 = pid_bh * N_OUT + start  # its rows in dQ
+    else:
+        out0 = row0
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
@@ -154,28 +171,37 @@ def _bwd_dq_hopper_kernel(
     mbarrier.init(qo_bar, count=1)
     ready, empty = _ring_barriers(STAGES)
 
-    dss_row = pid_bh * dss_tq + q0 // BLOCK_M  # backward._dss_row of warpgroup 0's tile (no varlen)
+    # warpgroup 0's dS tile row and the first key tile's column, both in the padded layout for VARLEN (the dK/dV
+    # kernel indexes them so)
+    dss_row = pid_bh * dss_tq + (base + q0) // BLOCK_M
+    dss_col0 = base // BLOCK_N
     gl.warp_specialize([
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
-                          0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS)),
+                          dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS,
+                          VARLEN)),
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
-                          dss_tk, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS)),
+                          dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
+                          ROW_SUMS, VARLEN)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
-                   empty, row0 + q0, kv_row, kvh * HEAD_D, n_k, STAGES, HEAD_D)),
+                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D)),
     ], [4, 1], [240, 24])
 
 
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
-              dss_tq, dss_tk, grid, n_tiles, head_group, stages, scale_after_sum, fmax, pow2, row_sums):
-    """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks)."""
+              dss_tq, dss_tk, grid, n_tiles, head_group, stages, scale_after_sum, fmax, pow2, row_sums,
+              segments=None):
+    """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
+    the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
+    tensor but dq in its padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
+    cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
     _bwd_dq_hopper_kernel[grid](
         _desc(q8, [QUERIES_PER_PROGRAM, D]), _desc(do8, [QUERIES_PER_PROGRAM, D]), _desc(k8, [KEYS_PER_PROGRAM, D]),
         _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
-        dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk,
+        dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
-        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, num_warps=4,
+        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, num_warps=4,
     )

@@ -2,7 +2,8 @@
 launch.FWD_HOPPER_HEAD_DIMS).
 
 The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case
-(launch._hopper_case): fp8, Dqk = Dv in (64, 128), no varlen, no window, N = M a multiple of 128. A program
+(launch._hopper_case): fp8, Dqk = Dv in (64, 128), no window, N = M a multiple of 128, or a causal packed batch
+(VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows). A program
 covers 128 queries, 64 per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for
 both; v8 comes token-major with its keys in k_order, so P8 is the score accumulator as it is (_gluon.fp8_operand).
 Per key tile of 128 keys, in one warpgroup (rows r0 .. r0+63):
@@ -19,14 +20,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
-    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, fp8_a_layout,
-    fp8_operand, mma_layout, tma_load,
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, _segment,
+    fp8_a_layout, fp8_operand, mma_layout, tma_load,
 )
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, q_row, kv_row, vt_row, n_k,
-            STAGES: gl.constexpr):
+def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, q_row, kv_row, vt_row, vt_col,
+            n_k, STAGES: gl.constexpr):
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, 0], q_bar, q_smem)
     for j in range(n_k):
@@ -36,7 +37,7 @@ def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empt
         bar = ready.index(s)
         mbarrier.expect(bar, k_desc.block_type.nbytes + vt_desc.block_type.nbytes)
         tma_load(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
-        tma_load(vt_desc, [vt_row, j * BLOCK_N], bar, vt_smem.index(s))
+        tma_load(vt_desc, [vt_row, vt_col + j * BLOCK_N], bar, vt_smem.index(s))
 
 
 @gluon.jit
@@ -54,8 +55,9 @@ def _online_softmax(qk, f, m_i, l_i, keys, rows, MASK: gl.constexpr):
 
 
 @gluon.jit
-def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, row_f, row0, r0, kv_row, n_k,
-                   WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, row_f, out0, r0, kv_row, n_k,
+                   length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   VARLEN: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_D)
     a_layout: gl.constexpr = fp8_a_layout(o_layout)
@@ -96,20 +98,34 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
     l_safe = gl.where(has, l_i, 1.0)
     out = acc * gl.convert_layout(c_acc / l_safe, orow_layout)[:, None]
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    orows = row0 + r0 + gl.arange(0, BLOCK_M, orow_layout)
+    orows = r0 + gl.arange(0, BLOCK_M, orow_layout)
     ocols = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
-    gl.store(O + orows.to(gl.int64)[:, None] * HEAD_D + ocols[None, :], out.to(O.dtype.element_ty))
-    gl.store(LSE + row0 + rows, lse)
+    optrs = O + (out0 + orows).to(gl.int64)[:, None] * HEAD_D + ocols[None, :]
+    if VARLEN:  # the sequence's rows only (the padded ones are not tokens)
+        gl.store(optrs, out.to(O.dtype.element_ty), mask=(orows < length)[:, None])
+        gl.store(LSE + out0 + rows, lse, mask=rows < length)
+    else:
+        gl.store(optrs, out.to(O.dtype.element_ty))
+        gl.store(LSE + out0 + rows, lse)
 
 
 @gluon.jit
 def _fwd_hopper_kernel(
-    q_desc, k_desc, vt_desc, SQ, SK, SV, O, LSE, Hq, Hkv, N, softmax_scale, n_tiles, head_group,
-    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    q_desc, k_desc, vt_desc, SQ, SK, SV, O, LSE, Hq, Hkv, N, softmax_scale, n_tiles, head_group, CU, PCU, N_OUT,
+    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
 ):
-    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS, CAUSAL)
-    row0 = pid_bh * N  # this head's rows in the (B*Hq*N, D) views of q8 and O and in sq, LSE
-    kv_row = kvh * N  # the KV head's rows in the (B*Hkv*M, D) views of k8, v8 and in sk, sv
+    # N: rows per head of the inputs (padded ones for VARLEN), N_OUT: of the outputs O, LSE
+    base, length, start = _segment(CU, PCU, N, VARLEN)
+    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL)
+    if VARLEN:
+        if q0 >= length:  # a block past this sequence's end (the grid covers the longest)
+            return
+    row0 = pid_bh * N + base  # the sequence's rows in the (B*Hq*N, D) view of q8 and in sq
+    kv_row = kvh * N + base  # the KV head's rows in the (B*Hkv*M, D) views of k8, v8 and in sk, sv
+    if VARLEN:
+        out0 = pid_bh * N_OUT + start  # its rows in O and LSE
+    else:
+        out0 = row0
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -122,21 +138,25 @@ def _fwd_hopper_kernel(
     f0 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + q0)
     f1 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + q0 + BLOCK_M)
     gl.warp_specialize([
-        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f0, row0, q0, kv_row, n_k,
-                          0, HEAD_D, STAGES, CAUSAL)),
-        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f1, row0, q0 + BLOCK_M,
-                          kv_row, n_k, 1, HEAD_D, STAGES, CAUSAL)),
+        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f0, out0, q0, kv_row, n_k,
+                          length, 0, HEAD_D, STAGES, CAUSAL, VARLEN)),
+        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f1, out0, q0 + BLOCK_M,
+                          kv_row, n_k, length, 1, HEAD_D, STAGES, CAUSAL, VARLEN)),
         (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, row0 + q0, kv_row,
-                   kvh * HEAD_D, n_k, STAGES)),
+                   kvh * HEAD_D, base, n_k, STAGES)),
     ], [4, 1], [240, 24])
 
 
-def fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, *, causal, softmax_scale, grid, n_tiles, head_group, stages):
-    """Launch `_fwd_hopper_kernel` (shapes checked by launch._fwd_hopper; grid over N // 128 query blocks)."""
+def fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, *, causal, softmax_scale, grid, n_tiles, head_group, stages,
+               segments=None):
+    """Launch `_fwd_hopper_kernel` (shapes checked by launch._fwd_hopper; grid over N // 128 query blocks, or
+    the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, the fp8
+    inputs and scales in its padded layout, out and lse packed."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
+    cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
     _fwd_hopper_kernel[grid](
         _desc(q8, [QUERIES_PER_PROGRAM, D]), _desc(k8, [KEYS_PER_PROGRAM, D]), _desc(v8t, [D, KEYS_PER_PROGRAM]),
-        sq, sk, sv, out, lse, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group,
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), num_warps=4,
+        sq, sk, sv, out, lse, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, cu, pcu, out.shape[2],
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None, num_warps=4,
     )

@@ -18,12 +18,14 @@ from ._fp8 import INTERPRET
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
-# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward}.
+# "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
+# "hopper_packed": True / False for the Gluon kernels on packed batches (see _hopper_case)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages"}
+              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages",
+              "hopper_packed"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -193,18 +195,26 @@ DQ_HOPPER_HEAD_DIMS = (128,)
 DQ_HOPPER_STAGES = 3
 
 
+# Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence copied to rows starting
+# at multiples of 128 first): causal self-attention, one batch row, no window, forward and backward alike.
+HOPPER_PACKED = True
+
+
 def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
-                 device, lse2_in: bool, p_shift: int) -> bool:
-    """Whether the input is the Gluon kernels' case: fp8 e4m3, Dqk = Dv in 64/128, block 128, no varlen or window,
-    N = M a multiple of 128, an sm_90 GPU, Triton 3.6 (the version their GPU tests passed with; they also compile
-    with 3.9's renamed Gluon API, tests/test_sm90_registers.py, but have not run on a GPU with it), the dQ
-    kernel's LSE2 with P * 256."""
+                 device, lse2_in: bool, p_shift: int, packed: bool = False) -> bool:
+    """Whether the input is the Gluon kernels' case: fp8 e4m3, Dqk = Dv in 64/128, block 128, no window, N = M a
+    multiple of 128 or a packed batch they take (packed: varlen, causal, cu_seqlens_q = cu_seqlens_k, B = 1; and
+    HOPPER_PACKED or TUNE["hopper_packed"]), an sm_90 GPU, Triton 3.6 (the version their GPU tests passed with;
+    they also compile with 3.9's renamed Gluon API, tests/test_sm90_registers.py, but have not run on a GPU with
+    it), the dQ kernel's LSE2 with P * 256."""
     if INTERPRET:
         return False
     import torch
     import triton
-    return (fp8 and e4m3 and dqk == dv and dqk in (64, 128) and block == 128 and not varlen and window is None
-            and n == m and n > 0 and n % 128 == 0 and lse2_in and p_shift == 8 and device.type == "cuda"
+    shape_ok = (packed and bool(TUNE.get("hopper_packed", HOPPER_PACKED))) if varlen else (
+        n == m and n > 0 and n % 128 == 0)
+    return (fp8 and e4m3 and dqk == dv and dqk in (64, 128) and block == 128 and window is None and shape_ok
+            and lse2_in and p_shift == 8 and device.type == "cuda"
             and torch.cuda.get_device_capability(device) == (9, 0) and triton.__version__.startswith("3.6"))
 
 
@@ -219,12 +229,12 @@ FWD_HOPPER_STAGES = 2
 
 
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
-                device) -> bool:
+                device, packed: bool = False) -> bool:
     """Whether the forward comes from fwd_hopper's Gluon kernel: FWD_HOPPER_HEAD_DIMS or TUNE["fwd_hopper"], and
     the input is the Gluon kernels' case (_hopper_case; the forward always quantizes to e4m3 and has no LSE2)."""
     return bool(TUNE.get("fwd_hopper", d in FWD_HOPPER_HEAD_DIMS)) and _hopper_case(
         fp8=fp8, e4m3=True, dqk=dqk, dv=dv, block=block, varlen=varlen, window=window, n=n, m=m, device=device,
-        lse2_in=True, p_shift=8)
+        lse2_in=True, p_shift=8, packed=packed)
 
 
 def _dkdv_hopper(d: int, **case) -> bool:

@@ -1,0 +1,57 @@
+"""Packed (varlen) batches for the Gluon kernels: every sequence moved to rows that start at a multiple of 128.
+
+The Gluon kernels (fwd_hopper.py, dq_hopper.py, dkdv_hopper.py) read 128-key and 64-query tiles through TMA and
+their token-major B operands in groups of 32 tokens (quantize.k_order), all counted from a sequence's first token,
+and TMA reads a token-major tile only from a 16-byte aligned start. A packed batch's sequences start anywhere, so
+the fp8 operands are copied into a padded layout first: sequence s at rows pcu[s] .. pcu[s] + len_s, pcu[s] a
+multiple of 128, the rows after it up to the next multiple of 128 zero. Per-row scales are padded with 1 and LSE
+with -inf, so a padded query row has P = 0 everywhere (no NaN, no contribution); the kernels write their outputs
+straight to the packed rows. The quantization tiles are the packed batch's (quantize with cu_seqlens): the same
+bytes and scales as the Triton kernels read.
+"""
+
+from typing import NamedTuple
+
+import torch
+
+ROW_ALIGN = 128  # a key tile (_gluon.KEYS_PER_PROGRAM), a multiple of the 32-token k_order groups and of 64 queries
+
+
+class Segments(NamedTuple):
+    cu: torch.Tensor  # int32 (nseq + 1,): cu_seqlens, the packed rows
+    pcu: torch.Tensor  # int32 (nseq + 1,): each sequence's first row in the padded layout, and the total at the end
+    rows: torch.Tensor  # int64 (last - first,): the padded row of packed token first + i
+    first: int  # cu_seqlens[0]: the tokens before it and from `last` on belong to no sequence
+    last: int  # cu_seqlens[-1]
+    npad: int  # rows per head of the padded layout
+
+
+def padded_rows(lengths: torch.Tensor) -> torch.Tensor:
+    """Rows of each sequence in the padded layout: its length rounded up to ROW_ALIGN."""
+    return (lengths + (ROW_ALIGN - 1)) // ROW_ALIGN * ROW_ALIGN
+
+
+def padded_layout(cu_seqlens: torch.Tensor, first: int, last: int, npad: int) -> Segments:
+    """The padded layout of the packed batch cu_seqlens (int32, contiguous); first, last and npad are its host-side
+    values (kernels._seq_info reads them with the batch's one host sync)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    pcu = torch.zeros_like(cu_seqlens)
+    pcu[1:] = torch.cumsum(padded_rows(lengths), 0)
+    tokens = torch.arange(first, last, device=cu_seqlens.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens[1:], tokens, right=True)  # empty sequences are skipped
+    rows = (pcu[seq] + (tokens - cu_seqlens[seq])).long()
+    return Segments(cu_seqlens, pcu, rows, first, last, npad)
+
+
+def pad(x: torch.Tensor, seg: Segments, fill: float = 0.0) -> torch.Tensor:
+    """x (B=1, H, N, ...) packed -> (1, H, seg.npad, ...) padded, `fill` in the rows of no token. fp8 goes through a
+    uint8 view (index_copy has no float8 kernels)."""
+    shape = (x.shape[0], x.shape[1], seg.npad, *x.shape[3:])
+    src = x[:, :, seg.first:seg.last]
+    if x.dtype.itemsize == 1 and x.dtype.is_floating_point:
+        if fill != 0.0:
+            raise ValueError("fp8 tensors are padded with zeros")
+        out = torch.zeros(shape, dtype=torch.uint8, device=x.device)
+        return out.index_copy_(2, seg.rows, src.view(torch.uint8)).view(x.dtype)
+    out = torch.full(shape, fill, dtype=x.dtype, device=x.device)
+    return out.index_copy_(2, seg.rows, src)

@@ -1,0 +1,47 @@
+"""kernels/segments.py: the padded layout in which the Gluon kernels take packed (varlen) batches. Plain torch, so
+it runs on the CPU; the kernels that read it are tested on the GPU (tests/test_kernels_gpu.py::test_hopper_packed)."""
+
+import pytest
+import torch
+
+K = pytest.importorskip("hf_deltamatch.kernels")
+from hf_deltamatch.kernels import segments as S  # noqa: E402
+
+
+def test_padded_layout_rows():
+    """Each sequence at a multiple of 128 rows, in order; empty sequences take no rows; tokens outside every
+    sequence (before cu[0], from cu[-1] on) have no row."""
+    cu = torch.tensor([3, 8, 8, 143, 303], dtype=torch.int32)  # lengths 5, 0, 135, 160
+    z = torch.zeros(1, 1, 320, 16)
+    nseq, max_n, _, cu_q, _, _, packing = K._seq_info(z, z, cu, cu)
+    assert (nseq, max_n, packing) == (4, 160, (3, 303, 128 + 256 + 256))
+    seg = S.padded_layout(cu_q, *packing)
+    assert seg.pcu.tolist() == [0, 128, 128, 384, 640]
+    expect = list(range(0, 5)) + list(range(128, 128 + 135)) + list(range(384, 384 + 160))
+    assert seg.rows.tolist() == expect and seg.rows.dtype == torch.int64
+    # a key sequence that differs from the query one: no packing (the Gluon kernels need self-attention)
+    other = cu.clone()
+    other[2] += 1
+    assert K._seq_info(z, z, cu, other)[6] is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float32, torch.bfloat16])
+def test_pad_copies_every_token_and_fills_the_rest(dtype):
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 70, 70, 300], dtype=torch.int32)
+    N = 310  # tokens 300 .. 309 belong to no sequence
+    z = torch.zeros(1, 1, N, 16)
+    seg = S.padded_layout(cu, *K._seq_info(z, z, cu, cu)[6])
+    assert seg.npad == 128 + 256
+    x = torch.randn(1, 3, N, 16, generator=g).to(dtype)
+    y = S.pad(x, seg)
+    assert y.shape == (1, 3, 384, 16) and y.dtype == dtype
+    assert torch.equal(y[:, :, :70].float(), x[:, :, :70].float())
+    assert torch.equal(y[:, :, 128:358].float(), x[:, :, 70:300].float())
+    assert not y[:, :, 70:128].float().any() and not y[:, :, 358:].float().any()
+    if dtype == torch.float32:  # row arrays (scales, LSE): any fill
+        r = S.pad(x[..., 0], seg, float("-inf"))
+        assert torch.equal(r[:, :, 128:358], x[:, :, 70:300, 0]) and (r[:, :, 70:128] == float("-inf")).all()
+    if dtype.itemsize == 1:
+        with pytest.raises(ValueError, match="zeros"):
+            S.pad(x, seg, 1.0)
