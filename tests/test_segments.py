@@ -42,6 +42,9 @@ def test_pad_copies_every_token_and_fills_the_rest(dtype):
     if dtype == torch.float32:  # row arrays (scales, LSE): any fill
         r = S.pad(x[..., 0], seg, float("-inf"))
         assert torch.equal(r[:, :, 128:358], x[:, :, 70:300, 0]) and (r[:, :, 70:128] == float("-inf")).all()
-    if dtype.itemsize == 1:
-        with pytest.raises(ValueError, match="zeros"):
-            S.pad(x, seg, 1.0)
+    with pytest.raises(ValueError, match="zeros"):
+        S.pad(x, seg, 1.0)
+    # the token-major padded copy (the Gluon kernels' B operands) straight from the packed tensor
+    from hf_deltamatch.kernels.quantize import token_major
+    for k_order in (False, True):
+        assert torch.equal(token_major(x, k_order, src=seg.src).float(), token_major(y, k_order).float())

@@ -175,7 +175,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         seg, ops = None, (q8, k8, v8t, sq, sk, sv)
         if varlen:  # the sequences' rows padded to multiples of 128 (segments.py); out and lse stay packed
             seg = padded_layout(cu_seqlens_q, *packing)
-            ops = (pad(q8, seg), pad(k8, seg), token_major(pad(v8, seg), k_order=True),
+            ops = (pad(q8, seg), pad(k8, seg), token_major(v8, k_order=True, src=seg.src),
                    *(pad(s, seg, 1.0) for s in (sq, sk, sv)))
         tiles = triton.cdiv(max(max_n, 1), QUERIES_PER_PROGRAM) if varlen else N // QUERIES_PER_PROGRAM
         grid, n_tiles, head_group = _grid("fwd", tiles, B * Hq, nseq, bool(causal))
@@ -353,6 +353,8 @@ def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, 
     from .dq_hopper import QUERIES_PER_PROGRAM, dq_hopper
     B, Hq, _, D = q8.shape
     Hkv = k8.shape[1]
+    k8t = token_major(k8, k_order=True, src=seg.src)  # the token-major copies padded straight from the packed
+    q8_, do8_ = q8, do8  # ones, each made right before the kernel that reads it (as in backward())
     q8, k8, v8, do8 = (pad(x, seg) for x in (q8, k8, v8, do8))
     sq, sk, sv, sdo = (pad(s, seg, 1.0) for s in (sq, sk, sv, sdo))
     lse = pad(lse, seg, float("-inf"))
@@ -362,11 +364,11 @@ def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, 
     dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
     common = dict(causal=True, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
     grid, n_tiles, head_group = _grid("dq", triton.cdiv(max(max_n, 1), QUERIES_PER_PROGRAM), B * Hq, nseq, True)
-    dq_hopper(q8, k8, token_major(k8, k_order=True), v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta,
-              delta, grid=grid, n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D),
-              fmax=FP8_MAX["e4m3"], pow2=config.scale_rounding == "pow2", row_sums=False, **common,
-              **_dq_hopper_cfg())
+    dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
+              n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
+              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg())
+    del k8t
+    q8t, do8t = (token_major(x, k_order=True, src=seg.src) for x in (q8_, do8_))
     grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max(max_n, 1), KEYS_PER_PROGRAM), B * Hkv, nseq, True)
-    dkdv_hopper(q8, token_major(q8, k_order=True), k8, v8, do8, token_major(do8, k_order=True), sq, sk, sv, sdo,
-                lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles, head_group=head_group, **common,
-                **_dkdv_hopper_cfg())
+    dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
+                head_group=head_group, **common, **_dkdv_hopper_cfg())

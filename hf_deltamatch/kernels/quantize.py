@@ -121,9 +121,12 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
 
 
 @triton.jit
-def _token_major_kernel(X, Y, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
-                        D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, K_ORDER: tl.constexpr):
-    """Copy one (BLOCK_T, D) tile into token-major storage (the layout conversion goes through shared memory)."""
+def _token_major_kernel(X, Y, SRC, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
+                        D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, K_ORDER: tl.constexpr,
+                        HAS_SRC: tl.constexpr = False):
+    """Copy one (BLOCK_T, D) tile of the N output tokens into Y's layout (by its strides: token-major storage,
+    the layout conversion going through shared memory, or row-major). HAS_SRC: output token t is input token
+    SRC[t], or 0 where SRC[t] < 0 (segments.py's padded layout)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -136,8 +139,12 @@ def _token_major_kernel(X, Y, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
     if K_ORDER:  # position k = 16 g1 + 4 q + 2 g0 + e of each group of 32 takes token 16 g1 + 8 g0 + 2 q + e;
         # permuted on the load side, whose rows are D contiguous bytes: the token-major store stays coalesced
         src = _k_order_source(rows)
+    load_mask = mask
+    if HAS_SRC:
+        src = tl.load(SRC + src, mask=rows < N, other=-1).to(tl.int64)
+        load_mask = mask & (src[:, None] >= 0)
     x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
-                mask=mask)
+                mask=load_mask, other=0.0)
     tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + rows[:, None] * syn + cols[None, :] * syd,
              x, mask=mask)
 
@@ -151,16 +158,33 @@ def k_order(n, device=None):
     return (c - w) + ((w & 17) | (((w >> 1) & 3) << 2) | (((w >> 3) & 1) << 1))
 
 
-def token_major(x8, k_order=False):
+def token_major(x8, k_order=False, src=None):
     """(B, H, N, D) fp8 -> the same logical tensor stored (B, H, D, N) (tokens contiguous). k_order: the tokens of
-    each group of 32 stored in the order of k_order() (N a multiple of 32), for the Gluon kernels' B operands."""
+    each group of 32 stored in the order of k_order() (N a multiple of 32), for the Gluon kernels' B operands.
+    src (int32, one entry per output token): output token t is x8's token src[t], 0 where src[t] < 0 (a packed
+    batch in segments.py's padded layout); then N = len(src)."""
+    return _copy_tokens(x8, k_order, src, token_major_out=True)
+
+
+def pad_tokens(x8, src):
+    """(B, H, N, D) -> (B, H, len(src), D) row-major: output token t is x8's token src[t], 0 where src[t] < 0
+    (segments.py's padded layout)."""
+    return _copy_tokens(x8, False, src, token_major_out=False)
+
+
+def _copy_tokens(x8, k_order, src, token_major_out):
     B, H, N, D = x8.shape
+    if src is not None:
+        N = src.numel()
     if k_order and N % 32:
         raise ValueError(f"token_major(k_order=True) permutes groups of 32 tokens; got N={N}.")
-    n16 = -(-N // 16) * 16  # token stride padded to 16 bytes for TMA descriptors
-    y = torch.empty((B, H, D, n16), dtype=x8.dtype, device=x8.device)[..., :N].transpose(-1, -2)
-    if x8.numel():
+    if token_major_out:
+        n16 = -(-N // 16) * 16  # token stride padded to 16 bytes for TMA descriptors
+        y = torch.empty((B, H, D, n16), dtype=x8.dtype, device=x8.device)[..., :N].transpose(-1, -2)
+    else:
+        y = torch.empty((B, H, N, D), dtype=x8.dtype, device=x8.device)
+    if y.numel():
         _token_major_kernel[(triton.cdiv(N, 128), B * H)](
-            x8, y, *x8.stride(), *y.stride(), H, N, D=D, BLOCK_T=128, BLOCK_D=triton.next_power_of_2(D),
-            K_ORDER=bool(k_order), num_warps=4)
+            x8, y, src if src is not None else y, *x8.stride(), *y.stride(), H, N, D=D, BLOCK_T=128,
+            BLOCK_D=triton.next_power_of_2(D), K_ORDER=bool(k_order), HAS_SRC=src is not None, num_warps=4)
     return y
