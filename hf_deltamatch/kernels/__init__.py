@@ -110,6 +110,13 @@ def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
     return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0, packing
 
 
+def _fill_outside(t, packing, value):
+    """Fill the rows of t (B, H, N, ...) before the first sequence and from the last one's end on."""
+    first, last, _ = packing
+    t[:, :, :first] = value
+    t[:, :, last:] = value
+
+
 def _packed(packing, B: int, causal: bool, window) -> bool:
     """Whether a varlen batch is one the Gluon kernels can take padded (launch._hopper_case's `packed`): the same
     query and key sequences (_seq_info's packing), one batch row, causal, no window."""
@@ -161,10 +168,15 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         q8, k8, v8 = (q.new_empty(0, dtype=torch.float8_e4m3fn) for _ in range(3))
         sq, sk, sv = (q.new_empty(0, dtype=torch.float32) for _ in range(3))
         qa, ka, va = q, k, v
-    alloc = torch.zeros if varlen else torch.empty
+    # varlen: zeros (LSE -inf) for the tokens outside every sequence; the Gluon forward writes every token of a
+    # packed batch's sequences, so only the rows outside them are filled there
+    alloc = torch.zeros if varlen and not hopper else torch.empty
     out = alloc((B, Hq, N, dv), dtype=q.dtype, device=q.device)
-    lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device) if varlen else \
-        torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device) if varlen and not hopper \
+        else torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+    if varlen and hopper:
+        _fill_outside(out, packing, 0.0)
+        _fill_outside(lse, packing, float("-inf"))
     if out.numel() == 0 or nseq == 0:
         if not varlen:
             lse.fill_(float("-inf"))
@@ -222,12 +234,6 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         raise ValueError("delta='stale' needs the forward output.")
     lse = lse.contiguous()
     dev = do.device
-    alloc = torch.zeros if varlen else torch.empty
-    dq = alloc((B, Hq, N, dqk), dtype=dtype, device=dev)
-    dk = torch.zeros((B, Hkv, M, dqk), dtype=dtype, device=dev) if varlen or N == 0 else \
-        torch.empty((B, Hkv, M, dqk), dtype=dtype, device=dev)
-    dv_ = torch.zeros((B, Hkv, M, dv), dtype=dtype, device=dev) if varlen or N == 0 else \
-        torch.empty((B, Hkv, M, dv), dtype=dtype, device=dev)
     delta = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev)
     lse2_in, p_shift = _dkdv_lse2(d), _dkdv_p_shift(d, fp8)
     lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
@@ -243,6 +249,16 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     hopper_dq = case_ok and _dq_hopper(d, stale=stale, **case)
     if varlen and not (hopper and hopper_dq):  # packed, the two hand each other padded rows: both or neither
         hopper = hopper_dq = False
+    # varlen: zeros for the tokens outside every sequence (and the keys a Triton dK/dV program skips); the Gluon
+    # kernels write every token of a packed batch's sequences, so only the rows outside them are zeroed there
+    packed_gluon = varlen and hopper and fp8
+    alloc = torch.zeros if varlen and not packed_gluon else torch.empty
+    dq = alloc((B, Hq, N, dqk), dtype=dtype, device=dev)
+    dk = (torch.zeros if N == 0 else alloc)((B, Hkv, M, dqk), dtype=dtype, device=dev)
+    dv_ = (torch.zeros if N == 0 else alloc)((B, Hkv, M, dv), dtype=dtype, device=dev)
+    if packed_gluon:
+        for t in (dq, dk, dv_):
+            _fill_outside(t, packing, 0.0)
     ds_scales = (_dkdv_ds_scales(d, fp8, Hq != Hkv) or hopper or hopper_dq) and N > 0 and M > 0
     kv_n = _dkdv_block_n(T, d, ds_scales)
     # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
