@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import reference
+from ._tensor_cache import TensorCache
 from .config import DeltaMatchConfig
 
 _default_config = DeltaMatchConfig()
@@ -112,13 +113,17 @@ def _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqle
             raise ValueError(f"with cu_seqlens the batch must be 1 (sequences concatenated on the token axis); got {B}.")
         if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
             raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with one entry per sequence plus one.")
-        if int(cu_seqlens_q[-1]) != N or int(cu_seqlens_k[-1]) != k.shape[2]:
-            raise ValueError(
-                f"cu_seqlens end at {int(cu_seqlens_q[-1])}/{int(cu_seqlens_k[-1])} but q/k have "
-                f"{N}/{k.shape[2]} tokens."
-            )
-        if bool((cu_seqlens_q.diff() < 0).any()) or bool((cu_seqlens_k.diff() < 0).any()):
+        end_q, end_k, decreasing = _CU_FACTS.get((cu_seqlens_q, cu_seqlens_k), lambda: torch.stack([
+            cu_seqlens_q[-1].long(), cu_seqlens_k[-1].long(),
+            ((cu_seqlens_q.diff() < 0).any() | (cu_seqlens_k.diff() < 0).any()).long()]).tolist())
+        if end_q != N or end_k != k.shape[2]:
+            raise ValueError(f"cu_seqlens end at {end_q}/{end_k} but q/k have {N}/{k.shape[2]} tokens.")
+        if decreasing:
             raise ValueError("cu_seqlens must be non-decreasing.")
+
+
+# what _check_inputs reads of cu_seqlens (one host sync), per pair of cu_seqlens tensors: a model's layers share them
+_CU_FACTS = TensorCache()
 
 
 # ----------------------------------------------------------------------------------------------------

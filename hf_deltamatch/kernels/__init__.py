@@ -31,6 +31,7 @@ from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmark
     _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid, _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
+from .._tensor_cache import TensorCache
 from .segments import pad, padded_layout, padded_rows
 
 __all__ = ["backward", "forward", "supports"]
@@ -84,14 +85,30 @@ def supports(q, k, v, window, config) -> str | None:
     return None
 
 
+# _seq_info's varlen results and the padded layouts of packed batches, per cu_seqlens tensors (each is one host
+# sync to compute; a model's layers share their cu_seqlens)
+_SEQ_INFO = TensorCache()
+_LAYOUTS = TensorCache()
+
+
+def _layout(cu_seqlens, packing):
+    """segments.padded_layout of a packed batch (cu_seqlens as _seq_info returned it), from _LAYOUTS."""
+    return _LAYOUTS.get((cu_seqlens,), lambda: padded_layout(cu_seqlens, *packing))
+
+
 def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
     """(nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, starts_aligned, packing) of the launch grids, the
     cu_seqlens as contiguous int32 for the kernels; dense batches are one 'sequence' per batch row.
     starts_aligned: every sequence starts at a multiple of 16 tokens (_use_tma). packing: for a varlen batch whose
     query and key sequences are the same (self-attention), (first token, end token, rows of the padded layout)
-    for segments.padded_layout, else None. One host sync for a varlen batch, none for a dense one."""
+    for segments.padded_layout, else None. One host sync for a varlen batch the first time its cu_seqlens tensors
+    come (_SEQ_INFO), none for a dense one."""
     if cu_seqlens_q is None:
         return 1, q.shape[2], k.shape[2], None, None, True, None
+    return _SEQ_INFO.get((cu_seqlens_q, cu_seqlens_k), lambda: _varlen_info(cu_seqlens_q, cu_seqlens_k))
+
+
+def _varlen_info(cu_seqlens_q, cu_seqlens_k):
     cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
     cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
     nseq = cu_seqlens_q.numel() - 1
@@ -186,7 +203,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         from .fwd_hopper import QUERIES_PER_PROGRAM, fwd_hopper
         seg, ops = None, (q8, k8, v8t, sq, sk, sv)
         if varlen:  # the sequences' rows padded to multiples of 128 (segments.py); out and lse stay packed
-            seg = padded_layout(cu_seqlens_q, *packing)
+            seg = _layout(cu_seqlens_q, packing)
             ops = (pad(q8, seg), pad(k8, seg), token_major(v8, k_order=True, src=seg.src),
                    *(pad(s, seg, 1.0) for s in (sq, sk, sv)))
         tiles = triton.cdiv(max(max_n, 1), QUERIES_PER_PROGRAM) if varlen else N // QUERIES_PER_PROGRAM
@@ -280,7 +297,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         do8, _, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n)
         if varlen and hopper:
             _backward_packed(do8, q8, k8, v8, q_scale, k_scale, v_scale, sdo, lse, dq, dk, dv_,
-                             padded_layout(cu_seqlens_q, *packing), softmax_scale=softmax_scale, config=config,
+                             _layout(cu_seqlens_q, packing), softmax_scale=softmax_scale, config=config,
                              max_n=max_n, nseq=nseq)
             return _ret()
         sq, sk, sv = q_scale, k_scale, v_scale
