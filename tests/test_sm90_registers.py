@@ -61,13 +61,15 @@ def test_forward_compiles_for_sm90_on_the_cpu():
     assert body and all("mma=" in ln and "mufu=" in ln for ln in body)
 
 
-def test_gluon_kernels_compile_for_sm90_on_the_cpu():
-    """The Gluon kernels (kernels/*_hopper.py: forward, dQ, dK/dV) compile for sm_90 with the installed Triton
-    (3.6's Gluon API or the renamed one since): no spills and no serialized wgmmas, the properties their speed on
-    the H200 rests on (NOTES.md)."""
+@pytest.mark.parametrize("variant", [[], ["--varlen"]], ids=["dense", "packed"])
+def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
+    """The Gluon kernels (kernels/*_hopper.py: forward, dQ, dK/dV; dense and packed batches) compile for sm_90
+    with the installed Triton (3.6's Gluon API or the renamed one since): no spills and no serialized wgmmas, the
+    properties their speed on the H200 rests on (NOTES.md)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd"],
+    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd",
+                          *variant],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if res.returncode and "Cannot find" in res.stderr:
         pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
