@@ -19,6 +19,8 @@ def test_padded_layout_rows():
     assert seg.pcu.tolist() == [0, 128, 128, 384, 640]
     expect = list(range(0, 5)) + list(range(128, 128 + 135)) + list(range(384, 384 + 160))
     assert seg.rows.tolist() == expect and seg.rows.dtype == torch.int64
+    # quantize's tile list: each 128-token tile's first row and end, in the packed batch
+    assert seg.tiles.tolist() == [3, 8, 136, 143, 271] + [8, 136, 143, 271, 303]
     # a key sequence that differs from the query one: no packing (the Gluon kernels need self-attention)
     other = cu.clone()
     other[2] += 1
@@ -48,3 +50,18 @@ def test_pad_copies_every_token_and_fills_the_rest(dtype):
     from hf_deltamatch.kernels.quantize import token_major
     for k_order in (False, True):
         assert torch.equal(token_major(x, k_order, src=seg.src).float(), token_major(y, k_order).float())
+
+
+def test_quantize_by_tile_list_equals_the_sequence_grid():
+    """quantize(tiles=...) (one program per tile of a packed batch) writes what the grid over the longest
+    sequence's tiles x the sequences writes: the same bytes, scales, and zeros outside every sequence."""
+    from hf_deltamatch.kernels.quantize import quantize
+    g = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 5, 5, 140, 300], dtype=torch.int32)
+    x = torch.randn(1, 2, 310, 64, generator=g).to(torch.bfloat16)
+    z = torch.zeros(1, 1, 310, 16)
+    seg = S.padded_layout(cu, *K._seq_info(z, z, cu, cu)[6])
+    a = quantize(x, 128, cu_seqlens=cu, max_len=160, transposed=True)
+    b = quantize(x, 128, cu_seqlens=cu, max_len=160, transposed=True, tiles=seg.tiles)
+    for u, v in zip(a, b):
+        assert torch.equal(u.float(), v.float())

@@ -32,7 +32,7 @@ from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmark
 )
 from .quantize import quantize, token_major
 from .._tensor_cache import TensorCache
-from .segments import pad, padded_layout, padded_rows
+from .segments import ROW_ALIGN, pad, padded_layout, padded_rows
 
 __all__ = ["backward", "forward", "supports"]
 
@@ -127,6 +127,12 @@ def _varlen_info(cu_seqlens_q, cu_seqlens_k):
     return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0, packing
 
 
+def _quantize_tiles(cu_seqlens, packing, block):
+    """quantize's tile list for a packed self-attention batch (segments.Segments.tiles, 128-token tiles), else None
+    (the grid then covers the longest sequence's tiles for every sequence)."""
+    return _layout(cu_seqlens, packing).tiles if packing is not None and block == ROW_ALIGN else None
+
+
 def _fill_outside(t, packing, value):
     """Fill the rows of t (B, H, N, ...) before the first sequence and from the last one's end on."""
     first, last, _ = packing
@@ -166,8 +172,9 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if q.is_cuda and not INTERPRET:
         _warn_untested_triton()
     nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
-    qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q)
-    kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k)
+    tiles = _quantize_tiles(cu_seqlens_q, packing, T)
+    qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q, tiles=tiles)
+    kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k, tiles=tiles)
     d = max(dqk, dv)
     packed = _packed(packing, B, causal, window)
     hopper = fp8 and _fwd_hopper(d, fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen,
@@ -294,7 +301,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     # three 1-byte copies are alive at once (k8t for the dQ kernel; q8t and do8t for the dK/dV kernel).
     k8t = q8t = do8t = None
     if fp8:
-        do8, _, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n)
+        do8, _, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
+                               tiles=_quantize_tiles(cu_seqlens_q, packing, T))
         if varlen and hopper:
             _backward_packed(do8, q8, k8, v8, q_scale, k_scale, v_scale, sdo, lse, dq, dk, dv_,
                              _layout(cu_seqlens_q, packing), softmax_scale=softmax_scale, config=config,

@@ -42,20 +42,23 @@ def _quantize_kernel(
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr, VARLEN: tl.constexpr, INTERP: tl.constexpr,
-    K_ORDER: tl.constexpr = False,
+    K_ORDER: tl.constexpr = False, TILES: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
-    if VARLEN:
-        start = tl.load(CU + pid_s)
+    if TILES:  # a packed batch's tiles listed (CU: first rows, then ends): no program past a sequence's end
+        first = tl.load(CU + pid_t)
+        end = tl.load(CU + tl.num_programs(0) + pid_t)
+    elif VARLEN:
+        first = tl.load(CU + pid_s) + pid_t * BLOCK_T
         end = tl.load(CU + pid_s + 1)
     else:
-        start = 0
+        first = pid_t * BLOCK_T
         end = N
-    rows = start + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = first + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < end) & (cols[None, :] < D)
     rows = rows.to(tl.int64)  # packed varlen batches: token * stride can pass 2^31
@@ -77,13 +80,15 @@ def _quantize_kernel(
 
 
 def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=None, row_major=True,
-             transposed=False, k_order=False):
+             transposed=False, k_order=False, tiles=None):
     """Quantize x (B, H, N, D) per `block`-token tile. Returns (y or None, yt or None, scale (B, H, N)).
 
     yt is a (B, H, N, D) view of a (B, H, D, N16) buffer (tokens contiguous, N rounded up to 16), written by the
     kernel itself if FUSED_TOKEN_MAJOR, else copied from y by token_major(); k_order: its tokens in
     token_major(k_order=True)'s order (the Gluon forward's V).
     Varlen: tokens outside every sequence get zeros and scale 1 (docs/numerics.md; TMA tiles read them).
+    tiles: the varlen batch's tiles as one int32 tensor, their first rows then their ends (segments.Segments.tiles
+    for block 128): one program per tile instead of the longest sequence's tiles x the sequences.
     """
     if k_order and (cu_seqlens is not None or x.shape[2] % 32):
         raise ValueError("quantize(k_order=True) permutes groups of 32 tokens: no varlen, N a multiple of 32.")
@@ -109,13 +114,16 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
     ys = y.stride() if y is not None else (0, 0, 0, 0)
     ts = yt.stride() if yt is not None else (0, 0, 0, 0)
     grid = (triton.cdiv(max(max_len, 1), block), B * H, nseq)
+    if tiles is not None and cu_seqlens is not None:
+        grid = (tiles.numel() // 2, B * H, 1)
     _quantize_kernel[grid](
-        x, y if y is not None else yt, yt if yt is not None else y, scale, cu_seqlens,
+        x, y if y is not None else yt, yt if yt is not None else y, scale,
+        tiles if tiles is not None and cu_seqlens is not None else cu_seqlens,
         *x.stride(), *ys, *ts, H, N,
         D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D),
         FMAX=FP8_MAX[fmt], E5M2=fmt == "e5m2", POW2=rounding == "pow2",
         WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=cu_seqlens is not None, INTERP=INTERPRET,
-        K_ORDER=bool(k_order), num_warps=8 if D > 128 else 4,
+        K_ORDER=bool(k_order), TILES=tiles is not None and cu_seqlens is not None, num_warps=8 if D > 128 else 4,
     )
     return y, yt, scale
 

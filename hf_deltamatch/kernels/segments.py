@@ -24,6 +24,7 @@ class Segments(NamedTuple):
     pcu: torch.Tensor  # int32 (nseq + 1,): each sequence's first row in the padded layout, and the total at the end
     rows: torch.Tensor  # int64 (last - first,): the padded row of packed token first + i
     src: torch.Tensor  # int32 (npad,): the packed token of each padded row, -1 for the rows of no token
+    tiles: torch.Tensor  # int32 (2 * npad / 128,): each 128-token tile's first packed row, then its end
     first: int  # cu_seqlens[0]: the tokens before it and from `last` on belong to no sequence
     last: int  # cu_seqlens[-1]
     npad: int  # rows per head of the padded layout
@@ -44,7 +45,10 @@ def padded_layout(cu_seqlens: torch.Tensor, first: int, last: int, npad: int) ->
     seq = torch.searchsorted(cu_seqlens[1:], tokens, right=True)  # empty sequences are skipped
     rows = (pcu[seq] + (tokens - cu_seqlens[seq])).long()
     src = torch.full((npad,), -1, dtype=torch.int32, device=cu_seqlens.device).index_copy_(0, rows, tokens)
-    return Segments(cu_seqlens, pcu, rows, src, first, last, npad)
+    # a sequence's padded rows are at the end of its last tile: every tile starts at a token
+    by_tile = src.view(-1, ROW_ALIGN)
+    tiles = torch.cat([by_tile[:, 0], by_tile[:, 0] + (by_tile >= 0).sum(1, dtype=torch.int32)])
+    return Segments(cu_seqlens, pcu, rows, src, tiles, first, last, npad)
 
 
 def pad(x: torch.Tensor, seg: Segments, fill: float = 0.0) -> torch.Tensor:
