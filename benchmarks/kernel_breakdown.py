@@ -38,6 +38,7 @@ SHAPES = {
     # DataCollatorWithFlattening flattened into one, documents of PACKED_DOCS' seeded lengths
     "packed-d128": (1, 16, 16, 32768, 128, True),
     "packed-gqa": (1, 16, 4, 32768, 128, True),
+    "packed-d64": (1, 32, 32, 32768, 64, True),
 }
 
 
