@@ -142,8 +142,8 @@ def _fill_outside(t, packing, value):
 
 def _packed(packing, B: int, causal: bool, window) -> bool:
     """Whether a varlen batch is one the Gluon kernels can take padded (launch._hopper_case's `packed`): the same
-    query and key sequences (_seq_info's packing), one batch row, causal, no window."""
-    return packing is not None and B == 1 and bool(causal) and window is None
+    query and key sequences (_seq_info's packing) with a token, one batch row, causal, no window."""
+    return packing is not None and packing[2] > 0 and B == 1 and bool(causal) and window is None
 
 
 def _desc(x, tokens: int, dims: int):
@@ -182,7 +182,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if fp8:
         q8, _, sq = quantize(q, **qkw)
         k8, _, sk = quantize(k, **kvw)
-        if hopper and varlen:  # the Gluon forward's token-major V comes from the padded copy (_forward_packed)
+        if hopper and varlen:  # the Gluon forward's token-major V: a padded copy (token_major(src=...) below)
             v8, v8t, sv = quantize(v, **kvw)
         else:
             # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
