@@ -17,8 +17,9 @@ def test_padded_layout_rows():
     assert (nseq, max_n, packing) == (4, 160, (3, 303, 128 + 256 + 256))
     seg = S.padded_layout(cu_q, *packing)
     assert seg.pcu.tolist() == [0, 128, 128, 384, 640]
-    expect = list(range(0, 5)) + list(range(128, 128 + 135)) + list(range(384, 384 + 160))
-    assert seg.rows.tolist() == expect and seg.rows.dtype == torch.int64
+    src = [-1] * 640  # the packed token of each padded row: tokens 3..7 at 0.., 8..142 at 128.., 143..302 at 384..
+    src[0:5], src[128:263], src[384:544] = range(3, 8), range(8, 143), range(143, 303)
+    assert seg.src.tolist() == src and seg.npad == 640
     # quantize's tile list: each 128-token tile's first row and end, in the packed batch
     assert seg.tiles.tolist() == [3, 8, 136, 143, 271] + [8, 136, 143, 271, 303]
     # a key sequence that differs from the query one: no packing (the Gluon kernels need self-attention)

@@ -22,11 +22,8 @@ ROW_ALIGN = 128  # a key tile (_gluon.KEYS_PER_PROGRAM), a multiple of the 32-to
 class Segments(NamedTuple):
     cu: torch.Tensor  # int32 (nseq + 1,): cu_seqlens, the packed rows
     pcu: torch.Tensor  # int32 (nseq + 1,): each sequence's first row in the padded layout, and the total at the end
-    rows: torch.Tensor  # int64 (last - first,): the padded row of packed token first + i
     src: torch.Tensor  # int32 (npad,): the packed token of each padded row, -1 for the rows of no token
     tiles: torch.Tensor  # int32 (2 * npad / 128,): each 128-token tile's first packed row, then its end
-    first: int  # cu_seqlens[0]: the tokens before it and from `last` on belong to no sequence
-    last: int  # cu_seqlens[-1]
     npad: int  # rows per head of the padded layout
 
 
@@ -36,19 +33,20 @@ def padded_rows(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def padded_layout(cu_seqlens: torch.Tensor, first: int, last: int, npad: int) -> Segments:
-    """The padded layout of the packed batch cu_seqlens (int32, contiguous); first, last and npad are its host-side
-    values (kernels._seq_info reads them with the batch's one host sync)."""
+    """The padded layout of the packed batch cu_seqlens (int32, contiguous): first = cu_seqlens[0] and last =
+    cu_seqlens[-1] (the tokens outside [first, last) belong to no sequence) and npad, its host-side values
+    (kernels._seq_info reads them with the batch's one host sync)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     pcu = torch.zeros_like(cu_seqlens)
     pcu[1:] = torch.cumsum(padded_rows(lengths), 0)
     tokens = torch.arange(first, last, device=cu_seqlens.device, dtype=torch.int32)
     seq = torch.searchsorted(cu_seqlens[1:], tokens, right=True)  # empty sequences are skipped
-    rows = (pcu[seq] + (tokens - cu_seqlens[seq])).long()
+    rows = (pcu[seq] + (tokens - cu_seqlens[seq])).long()  # the padded row of each token
     src = torch.full((npad,), -1, dtype=torch.int32, device=cu_seqlens.device).index_copy_(0, rows, tokens)
     # a sequence's padded rows are at the end of its last tile: every tile starts at a token
     by_tile = src.view(-1, ROW_ALIGN)
     tiles = torch.cat([by_tile[:, 0], by_tile[:, 0] + (by_tile >= 0).sum(1, dtype=torch.int32)])
-    return Segments(cu_seqlens, pcu, rows, src, tiles, first, last, npad)
+    return Segments(cu_seqlens, pcu, src, tiles, npad)
 
 
 def pad(x: torch.Tensor, seg: Segments, fill: float = 0.0) -> torch.Tensor:
