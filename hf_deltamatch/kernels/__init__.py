@@ -213,8 +213,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             seg = _layout(cu_seqlens_q, packing)
             ops = (pad(q8, seg), pad(k8, seg), token_major(v8, k_order=True, src=seg.src),
                    *(pad(s, seg, 1.0) for s in (sq, sk, sv)))
-        tiles = triton.cdiv(max(max_n, 1), QUERIES_PER_PROGRAM) if varlen else N // QUERIES_PER_PROGRAM
-        grid, n_tiles, head_group = _grid("fwd", tiles, B * Hq, nseq, bool(causal))
+        blocks = triton.cdiv(max(max_n, 1), QUERIES_PER_PROGRAM) if varlen else N // QUERIES_PER_PROGRAM
+        grid, n_tiles, head_group = _grid("fwd", blocks, B * Hq, nseq, bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
                    head_group=head_group, segments=seg, **_fwd_hopper_cfg())
         return out, lse, q8, k8, v8, sq, sk, sv

@@ -113,17 +113,16 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
         return y, yt, scale
     ys = y.stride() if y is not None else (0, 0, 0, 0)
     ts = yt.stride() if yt is not None else (0, 0, 0, 0)
-    grid = (triton.cdiv(max(max_len, 1), block), B * H, nseq)
-    if tiles is not None and cu_seqlens is not None:
-        grid = (tiles.numel() // 2, B * H, 1)
+    tiled = tiles is not None and cu_seqlens is not None
+    grid = (tiles.numel() // 2, B * H, 1) if tiled else (triton.cdiv(max(max_len, 1), block), B * H, nseq)
     _quantize_kernel[grid](
         x, y if y is not None else yt, yt if yt is not None else y, scale,
-        tiles if tiles is not None and cu_seqlens is not None else cu_seqlens,
+        tiles if tiled else cu_seqlens,
         *x.stride(), *ys, *ts, H, N,
         D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D),
         FMAX=FP8_MAX[fmt], E5M2=fmt == "e5m2", POW2=rounding == "pow2",
         WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=cu_seqlens is not None, INTERP=INTERPRET,
-        K_ORDER=bool(k_order), TILES=tiles is not None and cu_seqlens is not None, num_warps=8 if D > 128 else 4,
+        K_ORDER=bool(k_order), TILES=tiled, num_warps=8 if D > 128 else 4,
     )
     return y, yt, scale
 
