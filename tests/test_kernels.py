@@ -465,6 +465,23 @@ def test_dkdv_block_n_needs_the_ds_scales():
         K.TUNE.clear()
 
 
+def test_gluon_kernels_by_head_dim(monkeypatch):
+    """Which Gluon kernels take the Gluon kernels' case (launch._hopper_case, forced true here: it needs an sm_90
+    GPU), by head dim: dense batches take the Gluon forward and dQ at D=128 only (at D=64 the Triton ones are
+    faster there), packed batches at D=64 too (the Triton kernels are 2-4 x slower on them, run 0506), dK/dV at
+    both."""
+    from hf_deltamatch.kernels import launch
+    monkeypatch.setattr(launch, "_hopper_case", lambda **case: True)
+    for d, varlen, want in ((128, False, (True, True, True)), (64, False, (False, False, True)),
+                            (64, True, (True, True, True))):
+        case = dict(fp8=True, dqk=d, dv=d, block=128, varlen=varlen, window=None, n=1024, m=1024,
+                    device=torch.device("cpu"), packed=varlen)
+        got = (launch._fwd_hopper(d, **case), launch._dq_hopper(d, stale=False, **case),
+               launch._dkdv_hopper(d, **case))
+        assert got == want, (d, varlen, got)
+        assert not launch._dq_hopper(d, stale=True, **case)  # the Gluon dQ kernel has no stale delta
+
+
 def test_gluon_kernels_only_where_they_apply():
     """The Gluon kernels (dkdv_hopper.py, dq_hopper.py, fwd_hopper.py; TUNE dkdv_hopper, dq_hopper, fwd_hopper)
     run only on an sm_90 GPU with Triton 3.6 and only for their case; anywhere else (the interpreter here, a

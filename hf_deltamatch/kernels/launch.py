@@ -196,7 +196,11 @@ DQ_HOPPER_STAGES = 3
 
 
 # Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence copied to rows starting
-# at multiples of 128 first): causal self-attention, one batch row, no window, forward and backward alike.
+# at multiples of 128 first): causal self-attention, one batch row, no window, forward and backward alike. On
+# packed batches the Gluon forward and dQ kernels run at D=64 too, where dense batches keep the Triton ones: the
+# Triton kernels on a packed batch are far slower than on a dense one (H200, 32768 tokens of 26 documents,
+# B=1, H=32, D=64, run 0506: fwd+bwd 11.6 ms on the Triton kernels; forward 1.15 vs 1.81 ms and dQ 1.88 vs
+# 4.15 ms with the Gluon ones; FlashAttention-2 varlen 4.87 ms).
 HOPPER_PACKED = True
 
 
@@ -230,9 +234,9 @@ FWD_HOPPER_STAGES = 2
 
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
                 device, packed: bool = False) -> bool:
-    """Whether the forward comes from fwd_hopper's Gluon kernel: FWD_HOPPER_HEAD_DIMS or TUNE["fwd_hopper"], and
-    the input is the Gluon kernels' case (_hopper_case; the forward always quantizes to e4m3 and has no LSE2)."""
-    return bool(TUNE.get("fwd_hopper", d in FWD_HOPPER_HEAD_DIMS)) and _hopper_case(
+    """Whether the forward comes from fwd_hopper's Gluon kernel: FWD_HOPPER_HEAD_DIMS, a packed batch
+    (HOPPER_PACKED) or TUNE["fwd_hopper"], and the input is the Gluon kernels' case (_hopper_case; the forward always quantizes to e4m3 and has no LSE2)."""
+    return bool(TUNE.get("fwd_hopper", d in FWD_HOPPER_HEAD_DIMS or varlen)) and _hopper_case(
         fp8=fp8, e4m3=True, dqk=dqk, dv=dv, block=block, varlen=varlen, window=window, n=n, m=m, device=device,
         lse2_in=True, p_shift=8, packed=packed)
 
@@ -260,9 +264,10 @@ def _dq_hopper_cfg() -> dict:
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
-    """Whether dQ and the correction pass come from dq_hopper's Gluon kernel: DQ_HOPPER_HEAD_DIMS or
-    TUNE["dq_hopper"], the matching delta, and the input is its case (_hopper_case)."""
-    return bool(TUNE.get("dq_hopper", d in DQ_HOPPER_HEAD_DIMS)) and not stale and _hopper_case(**case)
+    """Whether dQ and the correction pass come from dq_hopper's Gluon kernel: DQ_HOPPER_HEAD_DIMS, a packed
+    batch (HOPPER_PACKED) or TUNE["dq_hopper"], the matching delta, and the input is its case (_hopper_case)."""
+    return (bool(TUNE.get("dq_hopper", d in DQ_HOPPER_HEAD_DIMS or case["varlen"])) and not stale
+            and _hopper_case(**case))
 
 
 # How many heads each kernel's grid hands out together under a causal mask, tile-major within the group
