@@ -97,7 +97,7 @@ def gluon_signature(fn, constexprs, d):
                                     "qt_desc": (d, m), "dot_desc": (d, m)},
         "_bwd_dq_hopper_kernel": {"q_desc": (qp, d), "do_desc": (qp, d), "k_desc": (n, d), "v_desc": (n, d),
                                   "kt_desc": (d, n)},
-        "_fwd_hopper_kernel": {"q_desc": (qp, d), "k_desc": (n, d), "vt_desc": (d, n)},
+        "_fwd_hopper_kernel": {"q_desc": (qp if constexprs.get("WGS", 2) == 2 else m, d), "k_desc": (n, d), "vt_desc": (d, n)},
     }[fn.__name__]
     sig = {}
     for a in fn.arg_names:
@@ -252,9 +252,10 @@ def main():
                 VARLEN=args.varlen), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
+            cfg = K._fwd_hopper_cfg(args.d)
             jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
-                                                           STAGES=K._fwd_hopper_cfg()["stages"],
-                                                           VARLEN=args.varlen), 4, 1)
+                                                           STAGES=cfg["stages"], VARLEN=args.varlen,
+                                                           WGS=cfg["warpgroups"], REGS=cfg["regs"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))

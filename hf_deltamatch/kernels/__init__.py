@@ -207,16 +207,17 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
     if hopper:  # quantize() made q8, k8 contiguous
-        from .fwd_hopper import QUERIES_PER_PROGRAM, fwd_hopper
+        from .fwd_hopper import QUERIES_PER_TILE, fwd_hopper
         seg, ops = None, (q8, k8, v8t, sq, sk, sv)
         if varlen:  # the sequences' rows padded to multiples of 128 (segments.py); out and lse stay packed
             seg = _layout(cu_seqlens_q, packing)
             ops = (pad(q8, seg), pad(k8, seg), token_major(v8, k_order=True, src=seg.src),
                    *(pad(s, seg, 1.0) for s in (sq, sk, sv)))
-        blocks = triton.cdiv(max(max_n, 1), QUERIES_PER_PROGRAM) if varlen else N // QUERIES_PER_PROGRAM
+        cfg = _fwd_hopper_cfg(d)
+        blocks = triton.cdiv(max(max_n if varlen else N, 1), QUERIES_PER_TILE * cfg["warpgroups"])
         grid, n_tiles, head_group = _grid("fwd", blocks, B * Hq, nseq, bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
-                   head_group=head_group, segments=seg, **_fwd_hopper_cfg())
+                   head_group=head_group, segments=seg, **cfg)
         return out, lse, q8, k8, v8, sq, sk, sv
     tma = _use_tma("fwd", fp8, dqk, dv, aligned)
     BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)

@@ -89,14 +89,14 @@ def tile_scale(amax, FMAX: gl.constexpr, POW2: gl.constexpr):
 
 
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr):
+def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2):
     """(ready, empty) mbarriers of a ring of STAGES buffers: ready[s] completes when the loader's bytes landed
-    (one arrive with the byte count), empty[s] when both MMA warpgroups are done with the stage."""
+    (one arrive with the byte count), empty[s] when all CONSUMERS MMA warpgroups are done with the stage."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)  # one arrive per MMA warpgroup
+        mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrive per MMA warpgroup
     return ready, empty
 
 
@@ -114,16 +114,20 @@ def _segment(CU, PCU, N, VARLEN: gl.constexpr):
 
 
 @gluon.jit
-def _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS: gl.constexpr, CAUSAL: gl.constexpr):
+def _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS: gl.constexpr, CAUSAL: gl.constexpr,
+                   WGS: gl.constexpr = 2):
     """(KV head b * Hkv + hk, first query of the sequence's block, query head b * Hq + h, key tiles) of a
-    query-major program of two warpgroups' queries (fwd_hopper, dq_hopper): the heaviest (last, under causal)
+    query-major program of WGS warpgroups' queries (fwd_hopper, dq_hopper): the heaviest (last, under causal)
     query blocks first, as the Triton kernels. N: the sequence's tokens (a packed batch: causal only)."""
     t, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hq + h
     pid_m = n_tiles - 1 - t
     b = pid_bh // Hq
     hk = (pid_bh % Hq) // GROUPS
-    q0 = pid_m * (2 * BLOCK_M)
+    q0 = pid_m * (WGS * BLOCK_M)
     n_k = N // BLOCK_N
     if CAUSAL:
-        n_k = (q0 + 2 * BLOCK_M) // BLOCK_N  # key tiles up to the program's diagonal one (N = M)
+        if WGS == 2:
+            n_k = (q0 + 2 * BLOCK_M) // BLOCK_N  # key tiles up to the program's diagonal one (N = M)
+        else:  # a block of 3 x 64 queries ends mid-tile, and the last block may pass the sequence's end
+            n_k = gl.minimum(q0 + WGS * BLOCK_M + BLOCK_N - 1, N + BLOCK_N - 1) // BLOCK_N
     return b * Hkv + hk, q0, pid_bh, n_k

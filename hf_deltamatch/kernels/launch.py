@@ -19,12 +19,13 @@ from ._fp8 import INTERPRET
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
+# "fwd_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward (see FWD_HOPPER_WARPGROUPS),
 # "hopper_packed": True / False for the Gluon kernels on packed batches (see _hopper_case)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages",
+              "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs",
               "hopper_packed"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
@@ -230,6 +231,10 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
 # 0.824 GQA, 1.393 full (the same loop without the turns: 0.759-0.815, runs 0140 and 0148), so not kept.
 FWD_HOPPER_HEAD_DIMS = (128,)
 FWD_HOPPER_STAGES = 2
+# MMA warpgroups per program (64 queries each) and their registers, by head dim: two of 240 at D=128; three of
+# 160 at D=64, whose accumulators are half the size, so that an SM runs three softmax streams, as the Triton
+# forward's three programs per SM do
+FWD_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 
 
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
@@ -253,9 +258,13 @@ def _dkdv_hopper_cfg() -> dict:
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)))
 
 
-def _fwd_hopper_cfg() -> dict:
-    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_STAGES or TUNE["fwd_hopper_stages"]."""
-    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)))
+def _fwd_hopper_cfg(d: int = 128) -> dict:
+    """fwd_hopper.fwd_hopper's options at head dim d: FWD_HOPPER_STAGES and FWD_HOPPER_WARPGROUPS, or
+    TUNE["fwd_hopper_stages"], TUNE["fwd_hopper_wgs"] = (warpgroups, registers)."""
+    wgs, regs = TUNE.get("fwd_hopper_wgs", FWD_HOPPER_WARPGROUPS[d])
+    if wgs not in (2, 3):  # 4 spill: the default partition keeps the launch's 96 registers
+        raise ValueError(f"fwd_hopper_wgs: 2 or 3 MMA warpgroups, got {wgs}")
+    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)), warpgroups=int(wgs), regs=int(regs))
 
 
 def _dq_hopper_cfg() -> dict:
