@@ -230,10 +230,11 @@ def test_dkdv_hopper_kernel(stages, fold):
 def _gluon_vs_triton(gluon, opts, seed):
     """[(dq, dk, dv) relative errors] of the backward with the Gluon kernel(s) TUNE `gluon` switches on, against the
     Triton kernels reading the same dS scales, from the same saved tensors: causal GQA and the full mask at D=128,
-    causal at D=64."""
+    causal and full at D=64, at N that three warpgroups' 192 queries do not divide."""
     out = []
     for B, Hq, Hkv, N, D, causal in ((2, 4, 2, 2048, 128, True), (1, 4, 4, 1024, 128, False),
-                                     (1, 4, 4, 1024, 64, True)):
+                                     (1, 4, 4, 1024, 64, True), (2, 4, 2, 1280, 64, True),
+                                     (1, 2, 2, 1152, 64, False)):
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=seed)
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
@@ -255,26 +256,31 @@ def _gluon_vs_triton(gluon, opts, seed):
     return out
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-def test_dq_hopper_kernel(stages):
+@pytest.mark.parametrize("stages,wgs64", [(2, (3, 160)), (3, (3, 160)), (3, (2, 240))],
+                         ids=["s2-wg3", "s3-wg3", "s3-wg2"])
+def test_dq_hopper_kernel(stages, wgs64):
     """The Gluon dQ kernel with the correction pass (dq_hopper.py, TUNE dq_hopper), alone and with the Gluon
     dK/dV kernel, against the reference (the same tolerances) and against _bwd_dq_kernel (the same arithmetic;
     the dK/dV kernel reads the delta, LSE2 and dS scales it writes), causal and full, D 64 and 128, GQA, pow2
-    scales; the invariant at 8K."""
+    scales; the invariant at 8K (D=128) and 2K (D=64). At D=64 with programs of two or three warpgroups
+    (`wgs64`)."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    K.TUNE.update(dq_hopper=True, dkdv_hopper=False, dq_hopper_stages=stages)
+    opts = dict(dq_hopper_stages=stages, dq_hopper_wgs=wgs64)
+    K.TUNE.update(dq_hopper=True, dkdv_hopper=False, **opts)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False, scale_rounding="pow2")
         K.TUNE["dkdv_hopper"] = True
         _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, causal=False)
+        _compare(B=1, Hq=4, Hkv=2, N=1280, Dqk=64)
         res = _invariant(8192)
+        res64 = _invariant(2048, D=64)
     finally:
         K.TUNE.clear()
-    assert res["matching"] <= 1e-5
-    for errs in _gluon_vs_triton(dict(dq_hopper=True, dkdv_hopper=False), dict(dq_hopper_stages=stages), seed=4):
+    assert res["matching"] <= 1e-5 and res64["matching"] <= 1e-5
+    for errs in _gluon_vs_triton(dict(dq_hopper=True, dkdv_hopper=False), opts, seed=4):
         assert max(errs) < 1e-3, errs
 
 
@@ -325,7 +331,8 @@ def test_hopper_packed(cu, D):
     _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu)  # the Gluon path against the reference
 
 
-@pytest.mark.parametrize("stages,wgs64", [(2, (3, 160)), (3, (3, 160)), (2, (2, 240))])
+@pytest.mark.parametrize("stages,wgs64", [(2, (3, 160)), (3, (3, 160)), (2, (2, 240))],
+                         ids=["s2-wg3", "s3-wg3", "s2-wg2"])
 def test_fwd_hopper_kernel(stages, wgs64):
     """The Gluon forward (fwd_hopper.py, TUNE fwd_hopper; on at D=128) against the
     reference (the same tolerances) and against _fwd_kernel on the same inputs (the same arithmetic): causal
@@ -387,9 +394,9 @@ def test_head_dim_256_bf16_mode():
     _compare(B=1, Hq=4, Hkv=1, N=1000, Dqk=192, Dv=128, precision="bf16", causal=False)
 
 
-def _invariant(N):
-    """{delta mode: ||sum_j dS_ij|| / ||sum_j |dS_ij||| over rows} at N keys, D=128, causal."""
-    B, H, D = 1, 2, 128
+def _invariant(N, D=128):
+    """{delta mode: ||sum_j dS_ij|| / ||sum_j |dS_ij||| over rows} at N keys, head dim D, causal."""
+    B, H = 1, 2
     q, k, v, do = _inputs(B, H, H, N, N, D, D, torch.bfloat16, seed=1)
     res = {}
     for delta in ("matching", "stale"):

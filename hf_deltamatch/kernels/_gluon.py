@@ -15,7 +15,6 @@ tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glob
 KEYS_PER_PROGRAM = 128  # keys per dS tile (config.block)
 BLOCK_N = gl.constexpr(KEYS_PER_PROGRAM)
 QUERIES_PER_TILE = 64  # queries per dS tile (DS_TILE_Q): one warpgroup's wgmma rows
-QUERIES_PER_PROGRAM = 2 * QUERIES_PER_TILE  # the query-major kernels' programs: two warpgroups of 64 queries
 BLOCK_M = gl.constexpr(QUERIES_PER_TILE)
 # 1-D boxes of fp32 row values (LSE2, delta): no swizzle
 ROW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))
@@ -98,6 +97,17 @@ def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=CONSUMERS)  # one arrive per MMA warpgroup
     return ready, empty
+
+
+@gluon.jit
+def _release(ready, empty, u0, u1, STAGES: gl.constexpr):
+    """Release the ring's steps u0 .. u1-1 unread (a warpgroup of a three-warpgroup program whose rows need fewer
+    key tiles than the program's): each once loaded, or two releases of one stage could count as all consumers'
+    arrives while another warpgroup still reads it."""
+    for u in range(u0, u1):
+        s = u % STAGES
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+        mbarrier.arrive(empty.index(s))
 
 
 @gluon.jit

@@ -20,8 +20,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
-    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _query_program, _ring_barriers, _segment,
-    fp8_a_layout, fp8_operand, mma_layout, tma_load,
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _query_program, _release, _ring_barriers,
+    _segment, fp8_a_layout, fp8_operand, mma_layout, tma_load,
 )
 
 
@@ -79,10 +79,11 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
     c_acc = row_f * 0.0 + 1.0  # acc's unit: sv / 256 of the last key tile
     diag = n_k - 1  # the diagonal key tile under a causal mask (its 64 rows sit in one)
     n_own = n_k  # the key tiles this warpgroup computes on
-    if WGS != 2:  # 3 x 64 queries: the program's last key tile may lie past this warpgroup's diagonal
-        diag = r0 // BLOCK_N
+    if WGS != 2:  # 3 x 64 queries: the program's last key tile may lie past this warpgroup's diagonal, and the
+        diag = r0 // BLOCK_N  # last block's warpgroups past the sequence (they compute nothing, store nothing)
         if CAUSAL:
             n_own = gl.minimum(diag + 1, n_k)
+        n_own = gl.where(r0 < length, n_own, 0)
     mbarrier.wait(q_bar, 0)
     for j in range(n_own):
         s = j % STAGES
@@ -108,10 +109,7 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index(s))
     if WGS != 2:
-        for j in range(n_own, n_k):  # the other warpgroups' tiles: released once loaded (a stage's arrives count)
-            s = j % STAGES
-            mbarrier.wait(ready.index(s), (j // STAGES) & 1)
-            mbarrier.arrive(empty.index(s))
+        _release(ready, empty, n_own, n_k, STAGES)
     l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
     has = l_i > 0.0
     l_safe = gl.where(has, l_i, 1.0)
