@@ -92,9 +92,10 @@ def gluon_signature(fn, constexprs, d):
     def desc(rows, cols):
         return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout((rows, cols))!r}>"
     n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
-    qb = 2 * m if constexprs.get("WGS", 2) == 2 else m  # a query-major program's q (and dO) box per load
+    qb = 2 * m if constexprs.get("WGS", 2) == 2 else m  # the forward's q box per load
+    kb = n if constexprs.get("WGS", 2) == 2 else 64  # the dK/dV kernel's k and v boxes per load
     boxes = {  # per kernel: descriptor -> box
-        "_bwd_dkdv_hopper_kernel": {"k_desc": (n, d), "v_desc": (n, d), "q_desc": (m, d), "do_desc": (m, d),
+        "_bwd_dkdv_hopper_kernel": {"k_desc": (kb, d), "v_desc": (kb, d), "q_desc": (m, d), "do_desc": (m, d),
                                     "qt_desc": (d, m), "dot_desc": (d, m)},
         "_bwd_dq_hopper_kernel": {"q_desc": (qb, d), "do_desc": (qb, d), "k_desc": (n, d), "v_desc": (n, d),
                                   "kt_desc": (d, n)},
@@ -241,10 +242,11 @@ def main():
         }
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
-            cfg = K._dkdv_hopper_cfg()
+            cfg = K._dkdv_hopper_cfg(args.d)
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                             STAGES=cfg["stages"], FOLD=cfg["fold"],
-                                                            VARLEN=args.varlen), 4, 1)
+                                                            VARLEN=args.varlen, WGS=cfg["warpgroups"],
+                                                            REGS=cfg["regs"]), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(

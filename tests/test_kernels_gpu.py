@@ -208,19 +208,22 @@ def test_dkdv_lse2_and_p256():
         K.TUNE.clear()
 
 
-@pytest.mark.parametrize("stages,fold", [(2, False), (3, True)])
-def test_dkdv_hopper_kernel(stages, fold):
+@pytest.mark.parametrize("stages,fold,wgs64", [(2, False, (2, 240)), (3, True, (2, 240)), (3, True, (3, 160))],
+                         ids=["s2-wg2", "s3-fold-wg2", "s3-fold-wg3"])
+def test_dkdv_hopper_kernel(stages, fold, wgs64):
     """The Gluon dK/dV kernel (dkdv_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)
     and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
-    order differs), causal and full, D 64 and 128, GQA; dQ is untouched."""
+    order differs), causal and full, D 64 and 128, GQA; dQ is untouched. At D=64 with programs of two or three
+    warpgroups (`wgs64`; three: 192 keys, which do not divide N at 1024 or 1280)."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_fold=fold)
+    opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_fold=fold, dkdv_hopper_wgs=wgs64)
     K.TUNE.update(dkdv_hopper=True, dq_hopper=False, **opts)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
+        _compare(B=1, Hq=4, Hkv=2, N=1280, Dqk=64)
     finally:
         K.TUNE.clear()
     for errs in _gluon_vs_triton(dict(dkdv_hopper=True, dq_hopper=False), opts, seed=3):

@@ -359,11 +359,13 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if fp8:
             q8t, do8t = qta, dota = token_major(q8, k_order=hopper), token_major(do8, k_order=hopper)
         if hopper:
-            from .dkdv_hopper import KEYS_PER_PROGRAM, dkdv_hopper
-            grid, n_tiles, head_group = _grid("dkdv", M // KEYS_PER_PROGRAM, B * Hkv, nseq, bool(causal))
+            from .dkdv_hopper import dkdv_hopper
+            cfg = _dkdv_hopper_cfg(d)
+            grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(M, 64 * cfg["warpgroups"]), B * Hkv, nseq,
+                                              bool(causal))
             dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
-                        head_group=head_group, **_dkdv_hopper_cfg())
+                        head_group=head_group, **cfg)
             return _ret()
         if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
             qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
@@ -391,7 +393,7 @@ def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, 
     """The backward of a packed batch through the Gluon kernels (backward() checked the case): every input copied
     into seg's padded layout (segments.py: LSE padded with -inf, so a padded row's P is 0), dq, dk, dv written to
     their packed rows. LSE2, delta and the dS scales stay in the padded layout between the two kernels."""
-    from .dkdv_hopper import KEYS_PER_PROGRAM, dkdv_hopper
+    from .dkdv_hopper import dkdv_hopper
     from .dq_hopper import QUERIES_PER_PROGRAM, dq_hopper
     B, Hq, _, D = q8.shape
     Hkv = k8.shape[1]
@@ -411,6 +413,8 @@ def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, 
               pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg())
     del k8t
     q8t, do8t = (token_major(x, k_order=True, src=seg.src) for x in (q8_, do8_))
-    grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max(max_n, 1), KEYS_PER_PROGRAM), B * Hkv, nseq, True)
+    cfg = _dkdv_hopper_cfg(D)
+    grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max(max_n, 1), 64 * cfg["warpgroups"]), B * Hkv, nseq,
+                                      True)
     dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
-                head_group=head_group, **common, **_dkdv_hopper_cfg())
+                head_group=head_group, **common, **cfg)

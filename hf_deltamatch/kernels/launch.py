@@ -19,14 +19,15 @@ from ._fp8 import INTERPRET
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
-# "fwd_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward (see FWD_HOPPER_WARPGROUPS),
+# "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel (see
+# FWD_HOPPER_WARPGROUPS),
 # "hopper_packed": True / False for the Gluon kernels on packed batches (see _hopper_case)}.
 # Empty in normal use.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs",
-              "hopper_packed"}
+              "dkdv_hopper_wgs", "hopper_packed"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -192,6 +193,8 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
 DKDV_HOPPER_HEAD_DIMS = (64, 128)
 DKDV_HOPPER_STAGES = 3
 DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta: 1.55 -> 1.51 ms at D=128 causal with 3 stages
+# MMA warpgroups per program (64 keys each) and their registers, by head dim (as FWD_HOPPER_WARPGROUPS)
+DKDV_HOPPER_WARPGROUPS = {64: (2, 240), 128: (2, 240)}
 DQ_HOPPER_HEAD_DIMS = (128,)
 DQ_HOPPER_STAGES = 3
 
@@ -252,19 +255,27 @@ def _dkdv_hopper(d: int, **case) -> bool:
     return bool(TUNE.get("dkdv_hopper", d in DKDV_HOPPER_HEAD_DIMS)) and _hopper_case(**case)
 
 
-def _dkdv_hopper_cfg() -> dict:
-    """dkdv_hopper.dkdv_hopper's options: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
+def _warpgroups(kernel: str, d: int, table: dict) -> dict:
+    """(warpgroups, registers) of a Gluon kernel ("fwd" or "dkdv") at head dim d: `table` or
+    TUNE[f"{kernel}_hopper_wgs"]."""
+    wgs, regs = TUNE.get(f"{kernel}_hopper_wgs", table[d])
+    if wgs not in (2, 3):  # 4 spill: the default partition keeps the launch's 96 registers
+        raise ValueError(f"{kernel}_hopper_wgs: 2 or 3 MMA warpgroups, got {wgs}")
+    return dict(warpgroups=int(wgs), regs=int(regs))
+
+
+def _dkdv_hopper_cfg(d: int) -> dict:
+    """dkdv_hopper.dkdv_hopper's options at head dim d: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
-                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)))
+                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
+                **_warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS))
 
 
 def _fwd_hopper_cfg(d: int) -> dict:
     """fwd_hopper.fwd_hopper's options at head dim d: FWD_HOPPER_STAGES and FWD_HOPPER_WARPGROUPS, or
     TUNE["fwd_hopper_stages"], TUNE["fwd_hopper_wgs"] = (warpgroups, registers)."""
-    wgs, regs = TUNE.get("fwd_hopper_wgs", FWD_HOPPER_WARPGROUPS[d])
-    if wgs not in (2, 3):  # 4 spill: the default partition keeps the launch's 96 registers
-        raise ValueError(f"fwd_hopper_wgs: 2 or 3 MMA warpgroups, got {wgs}")
-    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)), warpgroups=int(wgs), regs=int(regs))
+    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)),
+                **_warpgroups("fwd", d, FWD_HOPPER_WARPGROUPS))
 
 
 def _dq_hopper_cfg() -> dict:
