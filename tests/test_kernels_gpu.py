@@ -208,7 +208,8 @@ def test_dkdv_lse2_and_p256():
         K.TUNE.clear()
 
 
-@pytest.mark.parametrize("stages,fold,wgs64", [(2, False, (2, 240)), (3, True, (2, 240)), (3, True, (3, 160))],
+@pytest.mark.parametrize("stages,fold,wgs64", [(2, False, {64: (2, 240)}), (3, True, {64: (2, 240)}),
+                                               (3, True, {64: (3, 160)})],
                          ids=["s2-wg2", "s3-fold-wg2", "s3-fold-wg3"])
 def test_dkdv_hopper_kernel(stages, fold, wgs64):
     """The Gluon dK/dV kernel (dkdv_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)

@@ -19,8 +19,8 @@ from ._fp8 import INTERPRET
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
-# "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel (see
-# FWD_HOPPER_WARPGROUPS),
+# "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
+# {head dim: that} (see FWD_HOPPER_WARPGROUPS),
 # "hopper_packed": True / False for the Gluon kernels on packed batches (see _hopper_case)}.
 # Empty in normal use.
 TUNE: dict = {}
@@ -257,8 +257,9 @@ def _dkdv_hopper(d: int, **case) -> bool:
 
 def _warpgroups(kernel: str, d: int, table: dict) -> dict:
     """(warpgroups, registers) of a Gluon kernel ("fwd" or "dkdv") at head dim d: `table` or
-    TUNE[f"{kernel}_hopper_wgs"]."""
-    wgs, regs = TUNE.get(f"{kernel}_hopper_wgs", table[d])
+    TUNE[f"{kernel}_hopper_wgs"], a pair or {head dim: pair}."""
+    want = TUNE.get(f"{kernel}_hopper_wgs", table)
+    wgs, regs = want.get(d, table[d]) if isinstance(want, dict) else want
     if wgs not in (2, 3):  # 4 spill: the default partition keeps the launch's 96 registers
         raise ValueError(f"{kernel}_hopper_wgs: 2 or 3 MMA warpgroups, got {wgs}")
     return dict(warpgroups=int(wgs), regs=int(regs))
