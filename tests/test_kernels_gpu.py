@@ -286,15 +286,17 @@ def test_dq_hopper_kernel(stages):
         assert max(errs) < 1e-3, errs
 
 
-@pytest.mark.parametrize("D", [128, 64], ids=["d128", "d64"])
+@pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240)))],
+                         ids=["d128", "d64", "d64-wg-swap"])
 @pytest.mark.parametrize("cu", [[0, 1000, 1001, 3000, 4096], [0, 64, 64, 192, 1301, 2720]])
-def test_hopper_packed(cu, D):
+def test_hopper_packed(cu, D, tune):
     """The Gluon kernels on packed batches (kernels/segments.py: each sequence padded to a multiple of 128 rows,
     outputs to the packed rows) against the Triton kernels on the same inputs and saved tensors (the forward bit
     for bit, as on dense batches; the backward within the dense Gluon tests' 1e-3), and against the reference.
     Sequences of 1, 64 and 128 tokens, an empty one, and (second case) tokens after the last sequence, whose
     outputs stay 0 (LSE -inf); GQA and MHA; D=128 and D=64 (where packed batches take the Gluon forward and dQ
-    kernels that dense ones do not)."""
+    kernels that dense ones do not), with the other choice of two or three warpgroups for the forward and dK/dV
+    (`tune`)."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernels are written against Triton 3.6's Gluon API")
@@ -308,8 +310,8 @@ def test_hopper_packed(cu, D):
         case = dict(fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=True, window=None, n=N, m=N,
                     device=q.device, lse2_in=True, p_shift=8, packed=True)
         runs = {}
-        for name, tune in (("gluon", {}), ("triton", dict(hopper_packed=False))):
-            K.TUNE.update(tune)
+        for name, opts in (("gluon", tune), ("triton", dict(hopper_packed=False))):
+            K.TUNE.update(opts)
             try:  # the Gluon run must take the Gluon kernels, or the comparison proves nothing
                 assert K._fwd_hopper(D, **{k_: case[k_] for k_ in ("fp8", "dqk", "dv", "block", "varlen", "window",
                                                                     "n", "m", "device", "packed")}) \
@@ -330,7 +332,11 @@ def test_hopper_packed(cu, D):
         for t in (*fg[:1], *gg):
             assert torch.isfinite(t).all() and not t[:, :, end:].float().any()
         assert (fg[1][:, :, end:] == float("-inf")).all()
-    _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu)  # the Gluon path against the reference
+    K.TUNE.update(tune)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu)  # the Gluon path against the reference
+    finally:
+        K.TUNE.clear()
 
 
 @pytest.mark.parametrize("stages,wgs64", [(2, (3, 160)), (3, (3, 160)), (2, (2, 240))],
