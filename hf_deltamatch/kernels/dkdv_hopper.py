@@ -1,4 +1,4 @@
-"""dK/dV on Hopper, written in Gluon: one TMA warp feeding two independent MMA warpgroups.
+"""dK/dV on Hopper, written in Gluon: one TMA warp feeding two (D=128) or three (D=64) independent MMA warpgroups.
 
 The same contract and arithmetic as `_bwd_dkdv_kernel` (backward.py) with PART 0, DSS_IN, LSE2_IN and
 P_SHIFT = 8, for its common case only (launch._dkdv_hopper says when): fp8 e4m3, Dqk = Dv in (64, 128), no
@@ -11,8 +11,9 @@ at CTA barriers for every query tile and ptxas serializes its wgmmas (NOTES.md, 
 tile then never overlaps an MMA. Here
   - a 1-warp partition (`_loader`) loads k, v once and then streams q8, q8^T, dO8, dO8^T tiles through a ring
     of STAGES buffers with TMA, paced by mbarriers (ready: bytes landed; empty: both consumers done);
-  - two 4-warp partitions (`_mma_partition`) each own 64 of the program's 128 keys and never wait for each
-    other, so one's exp2/convert work runs while the other's wgmmas occupy the tensor cores;
+  - two (three) 4-warp partitions (`_mma_partition`) each own 64 of the program's 128 (192) keys and never wait
+    for each other, so one's exp2/convert work runs while the other's wgmmas occupy the tensor cores (with three,
+    a warpgroup's causal query tiles start at its own diagonal: the ones before it releases unread);
   - inside a warpgroup the wgmmas are asynchronous with explicit waits: dP^T's MMA runs under exp2(S^T) and
     dV's under dS; dK's is waited for at the end of the tile (left in flight into the next tile, ptxas
     serializes every wgmma of the kernel), when the other warpgroup may have MMAs to issue.

@@ -1,11 +1,12 @@
-"""The forward on Hopper, written in Gluon: one TMA warp feeding two independent MMA warpgroups (on at D=128:
-launch.FWD_HOPPER_HEAD_DIMS).
+"""The forward on Hopper, written in Gluon: one TMA warp feeding two (D=128) or three (D=64) independent MMA
+warpgroups (on at D=128 and for packed batches: launch.FWD_HOPPER_HEAD_DIMS, FWD_HOPPER_WARPGROUPS).
 
 The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case
 (launch._hopper_case): fp8, Dqk = Dv in (64, 128), no window, N = M a multiple of 128, or a causal packed batch
 (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows). A program
-covers 128 queries, 64 per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for
-both; v8 comes token-major with its keys in k_order, so P8 is the score accumulator as it is (_gluon.fp8_operand).
+covers 64 queries per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for all
+(with three, a warpgroup whose diagonal comes before the program's last key tile releases that tile unread); v8
+comes token-major with its keys in k_order, so P8 is the score accumulator as it is (_gluon.fp8_operand).
 Per key tile of 128 keys, in one warpgroup (rows r0 .. r0+63):
     S = q8 k8^T                                               (async)
     m' = max(m, rowmax(S) * f),  f = sq sk scale log2e         (f > 0: rowmax(S) f = rowmax(S f) exactly)

@@ -193,8 +193,10 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
 DKDV_HOPPER_HEAD_DIMS = (64, 128)
 DKDV_HOPPER_STAGES = 3
 DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta: 1.55 -> 1.51 ms at D=128 causal with 3 stages
-# MMA warpgroups per program (64 keys each) and their registers, by head dim (as FWD_HOPPER_WARPGROUPS)
-DKDV_HOPPER_WARPGROUPS = {64: (2, 240), 128: (2, 240)}
+# MMA warpgroups per program (64 keys each) and their registers, by head dim (as FWD_HOPPER_WARPGROUPS): three at
+# D=64, where the kernel needs under 128 registers (H200, run 0537: N=8192 causal 2.08 -> 1.76 ms, the packed batch
+# of kernel_breakdown.py 1.66 -> 1.27); at D=128 the dK and dV accumulators alone take 128
+DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 DQ_HOPPER_HEAD_DIMS = (128,)
 DQ_HOPPER_STAGES = 3
 
@@ -236,7 +238,9 @@ FWD_HOPPER_HEAD_DIMS = (128,)
 FWD_HOPPER_STAGES = 2
 # MMA warpgroups per program (64 queries each) and their registers, by head dim: two of 240 at D=128; three of
 # 160 at D=64, whose accumulators are half the size, so that an SM runs three softmax streams, as the Triton
-# forward's three programs per SM do
+# forward's three programs per SM do (H200, run 0519: 1.50 -> 1.13 ms at N=8192 causal, vs 1.11 for the Triton
+# forward, which dense batches keep; the packed batch 1.15 -> 0.96). The dQ kernel at D=64 spilled with three
+# (run 0527: 2.73 vs 2.55 ms) and keeps two.
 FWD_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 
 
