@@ -247,7 +247,8 @@ FWD_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
                 device, packed: bool = False) -> bool:
     """Whether the forward comes from fwd_hopper's Gluon kernel: FWD_HOPPER_HEAD_DIMS, a packed batch
-    (HOPPER_PACKED) or TUNE["fwd_hopper"], and the input is the Gluon kernels' case (_hopper_case; the forward always quantizes to e4m3 and has no LSE2)."""
+    (HOPPER_PACKED) or TUNE["fwd_hopper"], and the input is the Gluon kernels' case (_hopper_case; the forward
+    always quantizes to e4m3 and has no LSE2)."""
     return bool(TUNE.get("fwd_hopper", d in FWD_HOPPER_HEAD_DIMS or varlen)) and _hopper_case(
         fp8=fp8, e4m3=True, dqk=dqk, dv=dv, block=block, varlen=varlen, window=window, n=n, m=m, device=device,
         lse2_in=True, p_shift=8, packed=packed)
