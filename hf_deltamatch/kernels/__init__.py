@@ -330,12 +330,14 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if fp8:
             k8t = kta = token_major(k8, k_order=hopper_dq)  # the Gluon kernels' B operands: fp8_operand
         if hopper_dq:
-            from .dq_hopper import QUERIES_PER_PROGRAM, dq_hopper
-            grid, n_tiles, head_group = _grid("dq", N // QUERIES_PER_PROGRAM, B * Hq, nseq, bool(causal))
+            from .dq_hopper import QUERIES_PER_TILE, dq_hopper
+            cfg = _dq_hopper_cfg(d)
+            grid, n_tiles, head_group = _grid("dq", triton.cdiv(N, QUERIES_PER_TILE * cfg["warpgroups"]), B * Hq,
+                                              nseq, bool(causal))
             dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, causal=causal,
                       softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                       head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
-                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, **_dq_hopper_cfg())
+                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, **cfg)
         else:
             if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
                 ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
@@ -394,7 +396,7 @@ def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, 
     into seg's padded layout (segments.py: LSE padded with -inf, so a padded row's P is 0), dq, dk, dv written to
     their packed rows. LSE2, delta and the dS scales stay in the padded layout between the two kernels."""
     from .dkdv_hopper import dkdv_hopper
-    from .dq_hopper import QUERIES_PER_PROGRAM, dq_hopper
+    from .dq_hopper import QUERIES_PER_TILE, dq_hopper
     B, Hq, _, D = q8.shape
     Hkv = k8.shape[1]
     k8t = token_major(k8, k_order=True, src=seg.src)  # the token-major copies padded straight from the packed
@@ -407,10 +409,12 @@ def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, 
     dss_tq, dss_tk = seg.npad // DS_TILE_Q, seg.npad // config.block
     dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
     common = dict(causal=True, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
-    grid, n_tiles, head_group = _grid("dq", triton.cdiv(max(max_n, 1), QUERIES_PER_PROGRAM), B * Hq, nseq, True)
+    cfg = _dq_hopper_cfg(D)
+    grid, n_tiles, head_group = _grid("dq", triton.cdiv(max(max_n, 1), QUERIES_PER_TILE * cfg["warpgroups"]),
+                                      B * Hq, nseq, True)
     dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
               n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
-              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg())
+              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **cfg)
     del k8t
     q8t, do8t = (token_major(x, k_order=True, src=seg.src) for x in (q8_, do8_))
     cfg = _dkdv_hopper_cfg(D)
