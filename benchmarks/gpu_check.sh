@@ -12,6 +12,8 @@
 #   GPU_CHECK_LAST_SHAPE       room kept for the last shape: the benchmark starts no new shape once less than
 #                              this is left (default 100; N=65536 is the longest). At the total the benchmark is
 #                              killed; it writes its results after every shape, so the finished ones remain.
+#   GPU_CHECK_PYTEST_ARGS      extra arguments for pytest, e.g. -k "hopper" and -k "not hopper" to split the GPU
+#                              tests over two calls (42 tests since session 11: more than one call's 600 s)
 #   GPU_CHECK_BENCH_ARGS       extra arguments for benchmarks/attention.py (e.g. "--quick")
 #   PYTHON                     interpreter (default python3: the GPU image has no `python`)
 # Exit status: the benchmark's if it failed, else pytest's (5 = no gpu tests collected counts as success).
@@ -35,7 +37,9 @@ started=$(date +%s)
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed (see $OUT/nvidia-smi.txt)"
 
 # 1. GPU tests. A hang must not eat the benchmark's time: timeout kills pytest after PYTEST_TIMEOUT.
-timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest -m gpu tests -q -p no:cacheprovider > "$OUT/pytest-gpu.log" 2>&1
+# shellcheck disable=SC2086  # GPU_CHECK_PYTEST_ARGS is meant to split into arguments
+timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest -m gpu tests -q -p no:cacheprovider ${GPU_CHECK_PYTEST_ARGS:-} \
+    > "$OUT/pytest-gpu.log" 2>&1
 pytest_rc=$?
 case $pytest_rc in
     0) pytest_status="passed" ;;
