@@ -207,15 +207,14 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
     if hopper:  # quantize() made q8, k8 contiguous
-        from .fwd_hopper import QUERIES_PER_TILE, fwd_hopper
+        from .fwd_hopper import fwd_hopper
         seg, ops = None, (q8, k8, v8t, sq, sk, sv)
         if varlen:  # the sequences' rows padded to multiples of 128 (segments.py); out and lse stay packed
             seg = _layout(cu_seqlens_q, packing)
             ops = (pad(q8, seg), pad(k8, seg), token_major(v8, k_order=True, src=seg.src),
                    *(pad(s, seg, 1.0) for s in (sq, sk, sv)))
         cfg = _fwd_hopper_cfg(d)
-        blocks = triton.cdiv(max(max_n if varlen else N, 1), QUERIES_PER_TILE * cfg["warpgroups"])
-        grid, n_tiles, head_group = _grid("fwd", blocks, B * Hq, nseq, bool(causal))
+        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg), B * Hq, nseq, bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
                    head_group=head_group, segments=seg, **cfg)
         return out, lse, q8, k8, v8, sq, sk, sv
@@ -330,10 +329,9 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if fp8:
             k8t = kta = token_major(k8, k_order=hopper_dq)  # the Gluon kernels' B operands: fp8_operand
         if hopper_dq:
-            from .dq_hopper import QUERIES_PER_TILE, dq_hopper
+            from .dq_hopper import dq_hopper
             cfg = _dq_hopper_cfg(d)
-            grid, n_tiles, head_group = _grid("dq", triton.cdiv(N, QUERIES_PER_TILE * cfg["warpgroups"]), B * Hq,
-                                              nseq, bool(causal))
+            grid, n_tiles, head_group = _grid("dq", _blocks(N, cfg), B * Hq, nseq, bool(causal))
             dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, causal=causal,
                       softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                       head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
@@ -363,8 +361,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if hopper:
             from .dkdv_hopper import dkdv_hopper
             cfg = _dkdv_hopper_cfg(d)
-            grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(M, 64 * cfg["warpgroups"]), B * Hkv, nseq,
-                                              bool(causal))
+            grid, n_tiles, head_group = _grid("dkdv", _blocks(M, cfg), B * Hkv, nseq, bool(causal))
             dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                         head_group=head_group, **cfg)
@@ -390,13 +387,18 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     return _ret()
 
 
+def _blocks(n, cfg):
+    """A Gluon kernel's programs over n rows (queries or keys): 64 per MMA warpgroup (cfg["warpgroups"])."""
+    return triton.cdiv(max(n, 1), 64 * cfg["warpgroups"])
+
+
 def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n,
                      nseq):
     """The backward of a packed batch through the Gluon kernels (backward() checked the case): every input copied
     into seg's padded layout (segments.py: LSE padded with -inf, so a padded row's P is 0), dq, dk, dv written to
     their packed rows. LSE2, delta and the dS scales stay in the padded layout between the two kernels."""
     from .dkdv_hopper import dkdv_hopper
-    from .dq_hopper import QUERIES_PER_TILE, dq_hopper
+    from .dq_hopper import dq_hopper
     B, Hq, _, D = q8.shape
     Hkv = k8.shape[1]
     k8t = token_major(k8, k_order=True, src=seg.src)  # the token-major copies padded straight from the packed
@@ -410,15 +412,13 @@ def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, 
     dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
     common = dict(causal=True, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
     cfg = _dq_hopper_cfg(D)
-    grid, n_tiles, head_group = _grid("dq", triton.cdiv(max(max_n, 1), QUERIES_PER_TILE * cfg["warpgroups"]),
-                                      B * Hq, nseq, True)
+    grid, n_tiles, head_group = _grid("dq", _blocks(max_n, cfg), B * Hq, nseq, True)
     dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
               n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
               pow2=config.scale_rounding == "pow2", row_sums=False, **common, **cfg)
     del k8t
     q8t, do8t = (token_major(x, k_order=True, src=seg.src) for x in (q8_, do8_))
     cfg = _dkdv_hopper_cfg(D)
-    grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max(max_n, 1), 64 * cfg["warpgroups"]), B * Hkv, nseq,
-                                      True)
+    grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg), B * Hkv, nseq, True)
     dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
                 head_group=head_group, **common, **cfg)
