@@ -92,7 +92,7 @@ def gluon_signature(fn, constexprs, d):
     def desc(rows, cols):
         return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout((rows, cols))!r}>"
     n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
-    qb = 2 * m if constexprs.get("WGS", 2) == 2 else m  # the query-major kernels' q (and dO) box per load
+    qb = 2 * m if constexprs.get("WGS", 2) == 2 else m  # the forward's q box per load
     kb = n if constexprs.get("WGS", 2) == 2 else 64  # the dK/dV kernel's k and v boxes per load
     boxes = {  # per kernel: descriptor -> box
         "_bwd_dkdv_hopper_kernel": {"k_desc": (kb, d), "v_desc": (kb, d), "q_desc": (m, d), "do_desc": (m, d),
@@ -250,10 +250,9 @@ def main():
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
-                GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=K._dq_hopper_cfg(args.d)["stages"],
+                GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=K._dq_hopper_cfg()["stages"],
                 SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
-                VARLEN=args.varlen, WGS=K._dq_hopper_cfg(args.d)["warpgroups"],
-                REGS=K._dq_hopper_cfg(args.d)["regs"]), 4, 1)
+                VARLEN=args.varlen), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
             cfg = K._fwd_hopper_cfg(args.d)

@@ -260,18 +260,16 @@ def _gluon_vs_triton(gluon, opts, seed):
     return out
 
 
-@pytest.mark.parametrize("stages,wgs64", [(2, {64: (2, 240)}), (3, {64: (2, 240)}), (3, {64: (3, 160)})],
-                         ids=["s2-wg2", "s3-wg2", "s3-wg3"])
-def test_dq_hopper_kernel(stages, wgs64):
+@pytest.mark.parametrize("stages", [2, 3])
+def test_dq_hopper_kernel(stages):
     """The Gluon dQ kernel with the correction pass (dq_hopper.py, TUNE dq_hopper), alone and with the Gluon
     dK/dV kernel, against the reference (the same tolerances) and against _bwd_dq_kernel (the same arithmetic;
     the dK/dV kernel reads the delta, LSE2 and dS scales it writes), causal and full, D 64 and 128, GQA, pow2
-    scales; the invariant at 8K (D=128) and 2K (D=64). At D=64 with programs of two or three warpgroups (`wgs64`;
-    three: the second pass in 64-key halves, at N that 192 queries do not divide)."""
+    scales; the invariant at 8K (D=128) and 2K (D=64)."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    opts = dict(dq_hopper_stages=stages, dq_hopper_wgs=wgs64)
+    opts = dict(dq_hopper_stages=stages)
     K.TUNE.update(dq_hopper=True, dkdv_hopper=False, **opts)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
@@ -288,10 +286,7 @@ def test_dq_hopper_kernel(stages, wgs64):
         assert max(errs) < 1e-3, errs
 
 
-_WG_SWAP = dict(fwd_hopper_wgs=(2, 240), dq_hopper_wgs=(3, 160), dkdv_hopper_wgs=(2, 240))  # D=64's other choices
-
-
-@pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, _WG_SWAP)],
+@pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240)))],
                          ids=["d128", "d64", "d64-wg-swap"])
 @pytest.mark.parametrize("cu", [[0, 1000, 1001, 3000, 4096], [0, 64, 64, 192, 1301, 2720]])
 def test_hopper_packed(cu, D, tune):
@@ -300,7 +295,7 @@ def test_hopper_packed(cu, D, tune):
     for bit, as on dense batches; the backward within the dense Gluon tests' 1e-3), and against the reference.
     Sequences of 1, 64 and 128 tokens, an empty one, and (second case) tokens after the last sequence, whose
     outputs stay 0 (LSE -inf); GQA and MHA; D=128 and D=64 (where packed batches take the Gluon forward and dQ
-    kernels that dense ones do not), with the other choice of two or three warpgroups for each Gluon kernel
+    kernels that dense ones do not), with the other choice of two or three warpgroups for the forward and dK/dV
     (`tune`)."""
     import triton
     if not triton.__version__.startswith("3.6"):

@@ -28,7 +28,8 @@ from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
     _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
-    _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid, _use_tma, _wait_mma,
+    DQ_HOPPER_WARPGROUPS, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid,
+    _use_tma, _wait_mma,
 )
 from .quantize import quantize, token_major
 from .._tensor_cache import TensorCache
@@ -214,7 +215,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             ops = (pad(q8, seg), pad(k8, seg), token_major(v8, k_order=True, src=seg.src),
                    *(pad(s, seg, 1.0) for s in (sq, sk, sv)))
         cfg = _fwd_hopper_cfg(d)
-        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg), B * Hq, nseq, bool(causal))
+        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq, bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
                    head_group=head_group, segments=seg, **cfg)
         return out, lse, q8, k8, v8, sq, sk, sv
@@ -330,12 +331,11 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             k8t = kta = token_major(k8, k_order=hopper_dq)  # the Gluon kernels' B operands: fp8_operand
         if hopper_dq:
             from .dq_hopper import dq_hopper
-            cfg = _dq_hopper_cfg(d)
-            grid, n_tiles, head_group = _grid("dq", _blocks(N, cfg), B * Hq, nseq, bool(causal))
+            grid, n_tiles, head_group = _grid("dq", _blocks(N, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, bool(causal))
             dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, causal=causal,
                       softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                       head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
-                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, **cfg)
+                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, **_dq_hopper_cfg())
         else:
             if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
                 ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
@@ -361,7 +361,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         if hopper:
             from .dkdv_hopper import dkdv_hopper
             cfg = _dkdv_hopper_cfg(d)
-            grid, n_tiles, head_group = _grid("dkdv", _blocks(M, cfg), B * Hkv, nseq, bool(causal))
+            grid, n_tiles, head_group = _grid("dkdv", _blocks(M, cfg["warpgroups"]), B * Hkv, nseq, bool(causal))
             dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                         head_group=head_group, **cfg)
@@ -387,9 +387,9 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     return _ret()
 
 
-def _blocks(n, cfg):
-    """A Gluon kernel's programs over n rows (queries or keys): 64 per MMA warpgroup (cfg["warpgroups"])."""
-    return triton.cdiv(max(n, 1), 64 * cfg["warpgroups"])
+def _blocks(n, warpgroups):
+    """A Gluon kernel's programs over n rows (queries or keys): 64 per MMA warpgroup."""
+    return triton.cdiv(max(n, 1), 64 * warpgroups)
 
 
 def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n,
@@ -411,14 +411,13 @@ def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, 
     dss_tq, dss_tk = seg.npad // DS_TILE_Q, seg.npad // config.block
     dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
     common = dict(causal=True, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
-    cfg = _dq_hopper_cfg(D)
-    grid, n_tiles, head_group = _grid("dq", _blocks(max_n, cfg), B * Hq, nseq, True)
+    grid, n_tiles, head_group = _grid("dq", _blocks(max_n, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, True)
     dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
               n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
-              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **cfg)
+              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg())
     del k8t
     q8t, do8t = (token_major(x, k_order=True, src=seg.src) for x in (q8_, do8_))
     cfg = _dkdv_hopper_cfg(D)
-    grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg), B * Hkv, nseq, True)
+    grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, True)
     dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
                 head_group=head_group, **common, **cfg)

@@ -15,6 +15,7 @@ tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glob
 KEYS_PER_PROGRAM = 128  # keys per dS tile (config.block)
 BLOCK_N = gl.constexpr(KEYS_PER_PROGRAM)
 QUERIES_PER_TILE = 64  # queries per dS tile (DS_TILE_Q): one warpgroup's wgmma rows
+QUERIES_PER_PROGRAM = 2 * QUERIES_PER_TILE  # the dQ kernel's programs: two warpgroups of 64 queries
 BLOCK_M = gl.constexpr(QUERIES_PER_TILE)
 # 1-D boxes of fp32 row values (LSE2, delta): no swizzle
 ROW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1))

@@ -1,5 +1,4 @@
-"""The correction pass and dQ on Hopper, written in Gluon: one TMA warp feeding two (or three) independent MMA
-warpgroups.
+"""The correction pass and dQ on Hopper, written in Gluon: one TMA warp feeding two independent MMA warpgroups.
 
 The same contract and arithmetic as `_bwd_dq_kernel` (backward.py) with 64-row blocks (ONE_TILE), matching
 delta, LSE2_OUT (P_SHIFT 8) and DSS_OUT, for its common case only (launch._dq_hopper says when): fp8 e4m3,
@@ -10,9 +9,7 @@ scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to
 Why: `_bwd_dq_kernel` at D=128 takes 116 KB of shared memory, so one warpgroup runs per SM and nothing
 overlaps its softmax. Here a program covers 128 queries: the loader (1 warp) streams each key tile once for
 both MMA warpgroups (64 queries each, so each owns its dS tiles and their scales), which never wait for each
-other. With WGS = 3 (TUNE dq_hopper_wgs at D=64: launch.DQ_HOPPER_WARPGROUPS; compiled, not yet run on a GPU) a
-program covers 192 queries, warpgroups release the key tiles past their diagonal unread, and pass 2 works in two
-halves of 64 keys to fit 160 registers. Per key tile of 128 keys (stage s), in one warpgroup (rows r0 .. r0+63):
+other. Per key tile of 128 keys (stage s), in one warpgroup (rows r0 .. r0+63):
   pass 1 (the correction pass): S = q8 k8^T, dP = dO8 v8^T (async); P = exp2(S * sq sk scale log2e - LSE2);
           delta += rowsum(P * dP) * sdo sv  (SCALE_AFTER_SUM; else rowsum(P * dP * sdo sv))
   pass 2: S, dP, P again; dS = P (dP sdo sv - delta); sds = tile_scale(absmax dS), stored for the dK/dV kernel;
@@ -25,24 +22,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
-    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, _desc, _query_program, _release, _ring_barriers,
-    _segment, fp8_a_layout, fp8_operand, mma_layout, tile_scale, tma_load,
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, _segment,
+    fp8_a_layout, fp8_operand, mma_layout, tile_scale, tma_load,
 )
 
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
-            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr,
-            WGS: gl.constexpr):
-    if WGS == 2:
-        mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
-        tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
-        tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
-    else:  # a TMA box's rows are a power of two: one box per warpgroup
-        mbarrier.expect(qo_bar, 2 * WGS * q_desc.block_type.nbytes)
-        for w in gl.static_range(WGS):
-            tma_load(q_desc, [q_row + w * BLOCK_M, 0], qo_bar, q_smem.index(w))
-            tma_load(do_desc, [q_row + w * BLOCK_M, 0], qo_bar, do_smem.index(w))
+            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr):
+    mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
+    tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
+    tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
     for u in range(2 * n_k):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
         j = u % n_k
         s = u % STAGES
@@ -64,40 +54,24 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
                    SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
                    dss_tk, dss_col0, out0, length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
-                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr):
+                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     a_layout: gl.constexpr = fp8_a_layout(d_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_sub = q_smem.slice(WG * 64, 64)
+    do_sub = do_smem.slice(WG * 64, 64)
     rows = r0 + gl.arange(0, BLOCK_M, row_layout)  # this warpgroup's queries (sequence positions)
-    diag = n_k - 1  # the diagonal key tile under a causal mask (its 64 rows sit in one)
-    n_own = n_k  # the key tiles this warpgroup computes on
-    if WGS == 2:
-        q_sub = q_smem.slice(WG * 64, 64)
-        do_sub = do_smem.slice(WG * 64, 64)
-        lse = gl.load(LSE + row0 + rows)
-        r_in = r0
-    else:
-        # 3 x 64 queries: the program's last key tile may lie past this warpgroup's diagonal, and the last block's
-        # warpgroups past the sequence's rows (padded to a multiple of 128): those compute nothing, store nothing
-        q_sub = q_smem.index(WG)
-        do_sub = do_smem.index(WG)
-        plen = (length + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        lse = gl.load(LSE + row0 + rows, mask=rows < plen, other=float("-inf"))
-        r_in = gl.minimum(r0, plen - 1)  # a row that exists, for the scales
-        diag = r0 // BLOCK_N
-        if CAUSAL:
-            n_own = gl.minimum(diag + 1, n_k)
-        n_own = gl.where(r0 < plen, n_own, 0)
+    lse = gl.load(LSE + row0 + rows)
     # -inf LSE (no visible key): +inf makes P = exp2(S - inf) = 0 without NaN
     lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    row_f = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + r_in)  # one quantization tile: 64 rows
-    dp_f = gl.load(SDO + row0 + r_in)
+    row_f = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + r0)  # one quantization tile: 64 rows
+    dp_f = gl.load(SDO + row0 + r0)
     s_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # fresh accumulators (use_acc=False) carried
     dp_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # from tile to tile: no zero fill per tile
     delta = gl.zeros([BLOCK_M], gl.float32, row_layout)
     mbarrier.wait(qo_bar, 0)
-    for u in range(n_own):  # pass 1: delta = rowsum(P * dP), the correction pass
+    for u in range(n_k):  # pass 1: delta = rowsum(P * dP), the correction pass
         s = u % STAGES
         mbarrier.wait(ready.index(s), (u // STAGES) & 1)
         s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
@@ -108,7 +82,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
         # the mask on P, not on S: the scale and LSE2 then fuse into one FFMA per score on every tile
         p = gl.exp2(s_acc * s_f - lse2[:, None])
         if CAUSAL:
-            if u == diag:  # the diagonal key tile (N = M: top-left = bottom-right)
+            if u == n_k - 1:  # the program's diagonal key tile (N = M: top-left = bottom-right)
                 keys = u * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
                 p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
         dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
@@ -117,124 +91,54 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
             delta += gl.sum(p * dp_acc, 1) * dpf
         else:
             delta += gl.sum(p * (dp_acc * dpf), 1)
-    if WGS != 2:
-        _release(ready, empty, n_own, n_k, STAGES)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
     rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
     c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile)
-    if WGS == 2:
-        for j in range(n_own):  # pass 2: dS and dQ
-            u = n_k + j
-            s = u % STAGES
-            mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-            s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-            dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
-            sk_t = gl.load(SK + kv_row + j * BLOCK_N)
-            s_f = row_f * sk_t
-            dpf = dp_f * gl.load(SV + kv_row + j * BLOCK_N)
-            s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
-            p = gl.exp2(s_acc * s_f - lse2[:, None])
-            if CAUSAL:
-                if j == diag:
-                    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-                    p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
-            dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
-            ds = p * (dp_acc * dpf - delta[:, None])
-            if ROW_SUMS:
-                rs += gl.sum(ds, 1)
-                ra += gl.sum(gl.abs(ds), 1)
-            sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
-            gl.store(DSS + dss_row * dss_tk + dss_col0 + j, sds)  # this warpgroup's tile, for the dK/dV kernel
-            c = sds * sk_t
-            dq = dq * (c_dq / c)
-            c_dq = c
-            # multiply by 1/sds: fp32 `/` is a MUFU op per element, and exp2 keeps the MUFU busy
-            ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in k_order
-            dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
-            # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            mbarrier.arrive(empty.index(s))
-    else:
-        # pass 2 in two halves of 64 keys: S, dP and the first half's dS in registers at once, not S and dP of 128
-        # keys (three warpgroups of ~168 registers; the full tile needs ~190). The same values, products and
-        # accumulation order as the full tile (a K=128 wgmma is four K=32 steps either way)
-        h_layout: gl.constexpr = mma_layout(64)
-        hrow_layout: gl.constexpr = gl.SliceLayout(1, h_layout)
-        lse2_h = gl.convert_layout(lse2, hrow_layout)  # rows sit in the same threads: nothing moves
-        delta_h = gl.convert_layout(delta, hrow_layout)
-        rows_h = gl.convert_layout(rows, hrow_layout)
-        s_h = gl.zeros([BLOCK_M, 64], gl.float32, h_layout)
-        d_h = gl.zeros([BLOCK_M, 64], gl.float32, h_layout)
-        for j in range(n_own):
-            u = n_k + j
-            s = u % STAGES
-            mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-            sk_t = gl.load(SK + kv_row + j * BLOCK_N)
-            s_f = row_f * sk_t
-            dpf = dp_f * gl.load(SV + kv_row + j * BLOCK_N)
-            s_h = warpgroup_mma(q_sub, k_smem.index(s).slice(0, 64).permute((1, 0)), s_h, use_acc=False,
-                                is_async=True)
-            d_h = warpgroup_mma(do_sub, v_smem.index(s).slice(0, 64).permute((1, 0)), d_h, use_acc=False,
-                                is_async=True)
-            s_h = warpgroup_mma_wait(1, deps=(s_h, ))
-            p = gl.exp2(s_h * s_f - lse2_h[:, None])
-            if CAUSAL:
-                if j == diag:
-                    keys = j * BLOCK_N + gl.arange(0, 64, gl.SliceLayout(0, h_layout))
-                    p = gl.where(keys[None, :] <= rows_h[:, None], p, 0.0)
-            d_h = warpgroup_mma_wait(0, deps=(d_h, ))
-            ds0 = p * (d_h * dpf - delta_h[:, None])
-            s_h = warpgroup_mma(q_sub, k_smem.index(s).slice(64, 64).permute((1, 0)), s_h, use_acc=False,
-                                is_async=True)
-            d_h = warpgroup_mma(do_sub, v_smem.index(s).slice(64, 64).permute((1, 0)), d_h, use_acc=False,
-                                is_async=True)
-            s_h = warpgroup_mma_wait(1, deps=(s_h, ))
-            p = gl.exp2(s_h * s_f - lse2_h[:, None])
-            if CAUSAL:
-                if j == diag:
-                    keys = j * BLOCK_N + 64 + gl.arange(0, 64, gl.SliceLayout(0, h_layout))
-                    p = gl.where(keys[None, :] <= rows_h[:, None], p, 0.0)
-            d_h = warpgroup_mma_wait(0, deps=(d_h, ))
-            ds1 = p * (d_h * dpf - delta_h[:, None])
-            if ROW_SUMS:
-                rs += gl.convert_layout(gl.sum(ds0, 1) + gl.sum(ds1, 1), row_layout)
-                ra += gl.convert_layout(gl.sum(gl.abs(ds0), 1) + gl.sum(gl.abs(ds1), 1), row_layout)
-            amax = gl.maximum(gl.max(gl.max(gl.abs(ds0), 1), 0), gl.max(gl.max(gl.abs(ds1), 1), 0))
-            sds = tile_scale(amax, FMAX, POW2)
-            gl.store(DSS + dss_row * dss_tk + dss_col0 + j, sds)
-            c = sds * sk_t
-            dq = dq * (c_dq / c)
-            c_dq = c
-            r = 1.0 / sds
-            dq = warpgroup_mma(fp8_operand(ds0 * r, a_layout), kt_smem.index(s).slice(0, 64, dim=1).permute((1, 0)),
-                               dq, is_async=True)
-            dq = warpgroup_mma(fp8_operand(ds1 * r, a_layout), kt_smem.index(s).slice(64, 64, dim=1).permute((1, 0)),
-                               dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            mbarrier.arrive(empty.index(s))
-    if WGS != 2:
-        _release(ready, empty, n_k + n_own, 2 * n_k, STAGES)
+    for j in range(n_k):  # pass 2: dS and dQ
+        u = n_k + j
+        s = u % STAGES
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+        s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+        dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+        sk_t = gl.load(SK + kv_row + j * BLOCK_N)
+        s_f = row_f * sk_t
+        dpf = dp_f * gl.load(SV + kv_row + j * BLOCK_N)
+        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
+        p = gl.exp2(s_acc * s_f - lse2[:, None])
+        if CAUSAL:
+            if j == n_k - 1:
+                keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+                p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
+        dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
+        ds = p * (dp_acc * dpf - delta[:, None])
+        if ROW_SUMS:
+            rs += gl.sum(ds, 1)
+            ra += gl.sum(gl.abs(ds), 1)
+        sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
+        gl.store(DSS + dss_row * dss_tk + dss_col0 + j, sds)  # this warpgroup's tile, for the dK/dV kernel
+        c = sds * sk_t
+        dq = dq * (c_dq / c)
+        c_dq = c
+        # multiply by 1/sds: fp32 `/` is a MUFU op per element, and exp2 keeps the MUFU busy
+        ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in k_order
+        dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
+        # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        mbarrier.arrive(empty.index(s))
     dq = dq * (c_dq * softmax_scale)
     drows = r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, d_layout))
     dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
     dptrs = DQ + (out0 + drows).to(gl.int64)[:, None] * HEAD_D + dcols[None, :]
-    if VARLEN or WGS != 2:  # the sequence's rows only
+    if VARLEN:  # the sequence's rows only
         gl.store(dptrs, dq.to(DQ.dtype.element_ty), mask=(drows < length)[:, None])
     else:
         gl.store(dptrs, dq.to(DQ.dtype.element_ty))
-    if WGS == 2:
-        gl.store(DELTA + row0 + rows, delta)
-        gl.store(LSE2 + row0 + rows, lse2 - 8.0)  # for the dK/dV kernel: its exp2 then yields P * 256
-        if ROW_SUMS:
-            gl.store(RS + row0 + rows, rs)
-            gl.store(RA + row0 + rows, ra)
-    else:  # the padded rows too (the dK/dV kernel reads them), not the next sequence's
-        gl.store(DELTA + row0 + rows, delta, mask=rows < plen)
-        gl.store(LSE2 + row0 + rows, lse2 - 8.0, mask=rows < plen)
-        if ROW_SUMS:
-            gl.store(RS + row0 + rows, rs, mask=rows < plen)
-            gl.store(RA + row0 + rows, ra, mask=rows < plen)
+    gl.store(DELTA + row0 + rows, delta)
+    gl.store(LSE2 + row0 + rows, lse2 - 8.0)  # for the dK/dV kernel: its exp2 then yields P * 256
+    if ROW_SUMS:
+        gl.store(RS + row0 + rows, rs)
+        gl.store(RA + row0 + rows, ra)
 
 
 @gluon.jit
@@ -243,11 +147,11 @@ def _bwd_dq_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
-    VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
     base, length, start = _segment(CU, PCU, N, VARLEN)
-    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL, WGS)
+    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL)
     if VARLEN:
         if q0 >= length:  # a block past this sequence's end (the grid covers the longest)
             return
@@ -258,70 +162,46 @@ def _bwd_dq_hopper_kernel(
     else:
         out0 = row0
 
-    if WGS == 2:
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-        do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
-    else:
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS] + q_desc.block_type.shape, q_desc.layout)
-        do_smem = gl.allocate_shared_memory(do_desc.dtype, [WGS] + do_desc.block_type.shape, do_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_type.shape, kt_desc.layout)
     qo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(qo_bar, count=1)
-    ready, empty = _ring_barriers(STAGES, WGS)
+    ready, empty = _ring_barriers(STAGES)
 
     # warpgroup 0's dS tile row and the first key tile's column, both in the padded layout for VARLEN (the dK/dV
     # kernel indexes them so)
     dss_row = pid_bh * dss_tq + (base + q0) // BLOCK_M
     dss_col0 = base // BLOCK_N
-    if WGS == 2:
-        gl.warp_specialize([
-            (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE,
-                              DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
-                              dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
-                              ROW_SUMS, VARLEN, WGS)),
-            (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE,
-                              DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k,
-                              dss_row + 1, dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL,
-                              SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS, VARLEN, WGS)),
-            (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar,
-                       ready, empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D, WGS)),
-        ], [4, 1], [REGS, 24])
-    else:
-        gl.warp_specialize([
-            (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE,
-                              DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
-                              dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
-                              ROW_SUMS, VARLEN, WGS)),
-            (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE,
-                              DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k,
-                              dss_row + 1, dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL,
-                              SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS, VARLEN, WGS)),
-            (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE,
-                              DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + 2 * BLOCK_M, kv_row, n_k,
-                              dss_row + 2, dss_tk, dss_col0, out0, length, 2, HEAD_D, STAGES, CAUSAL,
-                              SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS, VARLEN, WGS)),
-            (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar,
-                       ready, empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D, WGS)),
-        ], [4, 4, 1], [REGS, REGS, 24])
+    gl.warp_specialize([
+        (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
+                          DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
+                          dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS,
+                          VARLEN)),
+        (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
+                          DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
+                          dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
+                          ROW_SUMS, VARLEN)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
+                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D)),
+    ], [4, 1], [240, 24])
 
 
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
-              dss_tq, dss_tk, grid, n_tiles, head_group, stages, warpgroups, regs, scale_after_sum, fmax, pow2,
-              row_sums, segments=None):
-    """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over the query blocks of
-    64 x `warpgroups` queries, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
-    registers). segments: a packed batch's kernels.segments.Segments, every tensor but dq in its padded layout."""
+              dss_tq, dss_tk, grid, n_tiles, head_group, stages, scale_after_sum, fmax, pow2, row_sums,
+              segments=None):
+    """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
+    the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
+    tensor but dq in its padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
-    qbox = QUERIES_PER_TILE * (2 if warpgroups == 2 else 1)  # three warpgroups: a box each
     _bwd_dq_hopper_kernel[grid](
-        _desc(q8, [qbox, D]), _desc(do8, [qbox, D]), _desc(k8, [KEYS_PER_PROGRAM, D]),
+        _desc(q8, [QUERIES_PER_PROGRAM, D]), _desc(do8, [QUERIES_PER_PROGRAM, D]), _desc(k8, [KEYS_PER_PROGRAM, D]),
         _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
         dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
-        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, WGS=warpgroups, REGS=regs,
-        num_warps=4,
+        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, num_warps=4,
     )

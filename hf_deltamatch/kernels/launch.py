@@ -19,7 +19,7 @@ from ._fp8 import INTERPRET
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
-# "fwd_hopper_wgs" / "dq_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of a Gluon kernel, or
+# "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
 # {head dim: that} (see FWD_HOPPER_WARPGROUPS),
 # "hopper_packed": True / False for the Gluon kernels on packed batches (see _hopper_case)}.
 # Empty in normal use.
@@ -27,7 +27,7 @@ TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs",
-              "dkdv_hopper_wgs", "dq_hopper_wgs", "hopper_packed"}
+              "dkdv_hopper_wgs", "hopper_packed"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -189,7 +189,8 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
 # GQA 2.34 -> 1.46; dQ at D=128 causal 1.685 -> 1.518 (3 stages), full 3.14 -> 2.88, GQA 1.67 -> 1.50. With the
 # fp8 operands taken from the accumulators as they are (_gluon.fp8_operand, session 9, runs 0148 and 0156): dK/dV
 # 1.49 at D=128 causal, 2.78 full, 1.47 GQA, and at D=64 2.03 vs the Triton kernel's 2.42 (so now on there too);
-# dQ 1.48, 2.83, 1.47, and at D=64 2.65 vs 2.57 (so not there).
+# dQ 1.48, 2.83, 1.47, and at D=64 2.65 vs 2.57 then; with session 11's changes 2.51 vs 2.56 (run 0625, bwd
+# 4.386 vs 4.436 ms at N=8192 causal), so on there too since session 12.
 DKDV_HOPPER_HEAD_DIMS = (64, 128)
 DKDV_HOPPER_STAGES = 3
 DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta: 1.55 -> 1.51 ms at D=128 causal with 3 stages
@@ -197,12 +198,12 @@ DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta: 1.55 -> 1.51 ms at D=1
 # D=64, where the kernel needs under 128 registers (H200, run 0537: N=8192 causal 2.08 -> 1.76 ms, the packed batch
 # of kernel_breakdown.py 1.66 -> 1.27); at D=128 the dK and dV accumulators alone take 128
 DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
-DQ_HOPPER_HEAD_DIMS = (128,)
+DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
-# MMA warpgroups per program (64 queries each) and their registers, by head dim (as FWD_HOPPER_WARPGROUPS). Three
-# at D=64 with the full 128-key tile spilled (run 0527: 2.73 vs 2.55 ms); the second pass in 64-key halves
-# compiles for three of 160 registers without spills (sm_90, Triton 3.6) but has not run on a GPU: two by default
-DQ_HOPPER_WARPGROUPS = {64: (2, 240), 128: (2, 240)}
+# Always two MMA warpgroups (64 queries each): three spilled with the full 128-key tile (run 0527: 2.73 vs 2.55 ms
+# at D=64) and, with the second pass in 64-key halves (no spills), were no faster (run 0625: 2.52 vs 2.51 ms dense
+# D=64, 1.865 vs 1.859 packed); commit 6f8193a has that version
+DQ_HOPPER_WARPGROUPS = 2
 
 
 # Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence copied to rows starting
@@ -265,7 +266,7 @@ def _dkdv_hopper(d: int, **case) -> bool:
 
 
 def _warpgroups(kernel: str, d: int, table: dict) -> dict:
-    """(warpgroups, registers) of a Gluon kernel ("fwd", "dq" or "dkdv") at head dim d: `table` or
+    """(warpgroups, registers) of a Gluon kernel ("fwd" or "dkdv") at head dim d: `table` or
     TUNE[f"{kernel}_hopper_wgs"], a pair or {head dim: pair}."""
     want = TUNE.get(f"{kernel}_hopper_wgs", table)
     wgs, regs = want.get(d, table[d]) if isinstance(want, dict) else want
@@ -288,11 +289,9 @@ def _fwd_hopper_cfg(d: int) -> dict:
                 **_warpgroups("fwd", d, FWD_HOPPER_WARPGROUPS))
 
 
-def _dq_hopper_cfg(d: int) -> dict:
-    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES and DQ_HOPPER_WARPGROUPS, or
-    TUNE["dq_hopper_stages"], TUNE["dq_hopper_wgs"]."""
-    return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)),
-                **_warpgroups("dq", d, DQ_HOPPER_WARPGROUPS))
+def _dq_hopper_cfg() -> dict:
+    """dq_hopper.dq_hopper's options: DQ_HOPPER_STAGES or TUNE["dq_hopper_stages"]."""
+    return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)))
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
