@@ -54,15 +54,43 @@ def test_pad_copies_every_token_and_fills_the_rest(dtype):
 
 
 def test_quantize_by_tile_list_equals_the_sequence_grid():
-    """quantize(tiles=...) (one program per tile of a packed batch) writes what the grid over the longest
-    sequence's tiles x the sequences writes: the same bytes, scales, and zeros outside every sequence."""
+    """quantize(segments=...) (one program per tile of a packed batch, only the rows outside every sequence filled
+    beforehand) writes what the grid over the longest sequence's tiles x the sequences writes: the same bytes,
+    scales, and zeros (scale 1) outside every sequence, before the first one and after the last."""
     from hf_deltamatch.kernels.quantize import quantize
     g = torch.Generator().manual_seed(1)
-    cu = torch.tensor([0, 5, 5, 140, 300], dtype=torch.int32)
+    cu = torch.tensor([3, 5, 5, 140, 300], dtype=torch.int32)
     x = torch.randn(1, 2, 310, 64, generator=g).to(torch.bfloat16)
     z = torch.zeros(1, 1, 310, 16)
     seg = S.padded_layout(cu, *K._seq_info(z, z, cu, cu)[6])
     a = quantize(x, 128, cu_seqlens=cu, max_len=160, transposed=True)
-    b = quantize(x, 128, cu_seqlens=cu, max_len=160, transposed=True, tiles=seg.tiles)
+    b = quantize(x, 128, cu_seqlens=cu, max_len=160, transposed=True, segments=seg)
     for u, v in zip(a, b):
         assert torch.equal(u.float(), v.float())
+    assert not a[0][:, :, :3].float().any() and not a[0][:, :, 300:].float().any()
+    assert (a[2][:, :, :3] == 1).all() and (a[2][:, :, 300:] == 1).all()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_quantize_padded_equals_quantize_then_pad(fmt):
+    """quantize_padded (the Gluon kernels' packed operands in one pass) writes the bytes that quantize followed by
+    the padding copies writes: packed (the tensors the backward keeps), padded row-major, padded token-major in
+    k_order, and the padded scales (1 in the rows of no token)."""
+    from hf_deltamatch.kernels.quantize import quantize, quantize_padded, token_major
+    g = torch.Generator().manual_seed(2)
+    cu = torch.tensor([3, 8, 8, 143, 303], dtype=torch.int32)  # lengths 5, 0, 135, 160; tokens outside on both ends
+    x = torch.randn(1, 2, 310, 64, generator=g).to(torch.bfloat16) * 3
+    z = torch.zeros(1, 1, 310, 16)
+    seg = S.padded_layout(cu, *K._seq_info(z, z, cu, cu)[6])
+    y, _, scale = quantize(x, 128, fmt, cu_seqlens=cu, max_len=160)
+    want = (S.pad(y, seg), token_major(y, k_order=True, src=seg.src), S.pad(scale, seg, 1.0))
+    (py_, ps_), got = quantize_padded(x, seg, fmt, row_major=True, token_major=True)
+    assert torch.equal(py_.float(), y.float()) and torch.equal(ps_, scale)
+    for u, v in zip(got, want):
+        assert u.shape == v.shape and torch.equal(u.float(), v.float())
+    assert got[1].stride(2) == 1  # token-major storage, as the TMA descriptors read it
+    (none_y, none_s), (py, pyt, ps) = quantize_padded(x, seg, fmt, packed=False)  # the backward's dO: padded only
+    assert none_y is None and none_s is None and pyt is None
+    assert torch.equal(py.float(), want[0].float()) and torch.equal(ps, want[2])
+    with pytest.raises(ValueError, match="128-token tiles"):
+        quantize_padded(x, seg._replace(tiles=seg.tiles[:2]), fmt)

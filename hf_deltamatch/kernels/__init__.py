@@ -31,7 +31,7 @@ from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmark
     DQ_HOPPER_WARPGROUPS, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid,
     _use_tma, _wait_mma,
 )
-from .quantize import quantize, token_major
+from .quantize import _fill_outside, quantize, quantize_padded, token_major
 from .._tensor_cache import TensorCache
 from .segments import ROW_ALIGN, pad, padded_layout, padded_rows
 
@@ -128,17 +128,10 @@ def _varlen_info(cu_seqlens_q, cu_seqlens_k):
     return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0, packing
 
 
-def _quantize_tiles(cu_seqlens, packing, block):
-    """quantize's tile list for a packed self-attention batch (segments.Segments.tiles, 128-token tiles), else None
-    (the grid then covers the longest sequence's tiles for every sequence)."""
-    return _layout(cu_seqlens, packing).tiles if packing is not None and block == ROW_ALIGN else None
-
-
-def _fill_outside(t, packing, value):
-    """Fill the rows of t (B, H, N, ...) before the first sequence and from the last one's end on."""
-    first, last, _ = packing
-    t[:, :, :first] = value
-    t[:, :, last:] = value
+def _quantize_segments(cu_seqlens, packing, block):
+    """quantize's `segments` for a packed self-attention batch (its padded layout: one program per 128-token tile),
+    else None (the grid then covers the longest sequence's tiles for every sequence)."""
+    return _layout(cu_seqlens, packing) if packing is not None and block == ROW_ALIGN else None
 
 
 def _packed(packing, B: int, causal: bool, window) -> bool:
@@ -173,21 +166,25 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if q.is_cuda and not INTERPRET:
         _warn_untested_triton()
     nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
-    tiles = _quantize_tiles(cu_seqlens_q, packing, T)
-    qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q, tiles=tiles)
-    kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k, tiles=tiles)
+    seg = _quantize_segments(cu_seqlens_q, packing, T)
+    qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q, segments=seg)
+    kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k, segments=seg)
     d = max(dqk, dv)
     packed = _packed(packing, B, causal, window)
     hopper = fp8 and _fwd_hopper(d, fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen,
                                  window=window if causal else None, n=N, m=M, device=q.device, packed=packed)
-    if fp8:
+    if fp8 and hopper and varlen:
+        # a packed batch: quantized once into the packed tensors the backward keeps and into the padded layout
+        # that the Gluon forward reads (segments.py; cu_seqlens_k is cu_seqlens_q there), its V token-major
+        pw = dict(segments=seg, rounding=config.scale_rounding)
+        (q8, sq), (q8p, _, sqp) = quantize_padded(q, **pw)
+        (k8, sk), (k8p, _, skp) = quantize_padded(k, **pw)
+        (v8, sv), (_, v8tp, svp) = quantize_padded(v, row_major=False, token_major=True, **pw)
+    elif fp8:
         q8, _, sq = quantize(q, **qkw)
         k8, _, sk = quantize(k, **kvw)
-        if hopper and varlen:  # the Gluon forward's token-major V: a padded copy (token_major(src=...) below)
-            v8, v8t, sv = quantize(v, **kvw)
-        else:
-            # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
-            v8, v8t, sv = quantize(v, transposed=True, k_order=hopper, **kvw)
+        # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
+        v8, v8t, sv = quantize(v, transposed=True, k_order=hopper, **kvw)
         qa, ka, va = q8, k8, v8t  # the forward reads V token-major (K-major B operand of P8 @ V)
     else:
         q8, k8, v8 = (q.new_empty(0, dtype=torch.float8_e4m3fn) for _ in range(3))
@@ -200,8 +197,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device) if varlen and not hopper \
         else torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
     if varlen and hopper:
-        _fill_outside(out, packing, 0.0)
-        _fill_outside(lse, packing, float("-inf"))
+        _fill_outside(out, seg, 0.0)
+        _fill_outside(lse, seg, float("-inf"))
     if out.numel() == 0 or nseq == 0:
         if not varlen:
             lse.fill_(float("-inf"))
@@ -209,11 +206,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         return out, lse, q8, k8, v8, sq, sk, sv
     if hopper:  # quantize() made q8, k8 contiguous
         from .fwd_hopper import fwd_hopper
-        seg, ops = None, (q8, k8, v8t, sq, sk, sv)
-        if varlen:  # the sequences' rows padded to multiples of 128 (segments.py); out and lse stay packed
-            seg = _layout(cu_seqlens_q, packing)
-            ops = (pad(q8, seg), pad(k8, seg), token_major(v8, k_order=True, src=seg.src),
-                   *(pad(s, seg, 1.0) for s in (sq, sk, sv)))
+        # a packed batch: its padded layout (segments.py); out and lse stay packed
+        ops = (q8p, k8p, v8tp, sqp, skp, svp) if varlen else (q8, k8, v8t, sq, sk, sv)
         cfg = _fwd_hopper_cfg(d)
         grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq, bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
@@ -283,7 +277,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     dv_ = (torch.zeros if N == 0 else alloc)((B, Hkv, M, dv), dtype=dtype, device=dev)
     if packed_gluon:
         for t in (dq, dk, dv_):
-            _fill_outside(t, packing, 0.0)
+            _fill_outside(t, _layout(cu_seqlens_q, packing), 0.0)
     ds_scales = (_dkdv_ds_scales(d, fp8, Hq != Hkv) or hopper or hopper_dq) and N > 0 and M > 0
     kv_n = _dkdv_block_n(T, d, ds_scales)
     # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
@@ -301,14 +295,13 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     # Token-major copies are made right before the kernel that reads them and dropped after it, so at most
     # three 1-byte copies are alive at once (k8t for the dQ kernel; q8t and do8t for the dK/dV kernel).
     k8t = q8t = do8t = None
+    if fp8 and varlen and hopper:
+        _backward_packed(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, _layout(cu_seqlens_q, packing),
+                         softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq)
+        return _ret()
     if fp8:
         do8, _, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
-                               tiles=_quantize_tiles(cu_seqlens_q, packing, T))
-        if varlen and hopper:
-            _backward_packed(do8, q8, k8, v8, q_scale, k_scale, v_scale, sdo, lse, dq, dk, dv_,
-                             _layout(cu_seqlens_q, packing), softmax_scale=softmax_scale, config=config,
-                             max_n=max_n, nseq=nseq)
-            return _ret()
+                               segments=_quantize_segments(cu_seqlens_q, packing, T))
         sq, sk, sv = q_scale, k_scale, v_scale
         doa = do8
     else:
@@ -392,19 +385,23 @@ def _blocks(n, warpgroups):
     return triton.cdiv(max(n, 1), 64 * warpgroups)
 
 
-def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n,
-                     nseq):
+def _backward_packed(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n, nseq):
     """The backward of a packed batch through the Gluon kernels (backward() checked the case): every input copied
-    into seg's padded layout (segments.py: LSE padded with -inf, so a padded row's P is 0), dq, dk, dv written to
-    their packed rows. LSE2, delta and the dS scales stay in the padded layout between the two kernels."""
+    into seg's padded layout (segments.py: LSE padded with -inf, so a padded row's P is 0; dO quantized straight
+    into it), dq, dk, dv written to their packed rows. LSE2, delta and the dS scales stay in the padded layout
+    between the two kernels."""
     from .dkdv_hopper import dkdv_hopper
     from .dq_hopper import dq_hopper
     B, Hq, _, D = q8.shape
     Hkv = k8.shape[1]
-    k8t = token_major(k8, k_order=True, src=seg.src)  # the token-major copies padded straight from the packed
-    q8_, do8_ = q8, do8  # ones, each made right before the kernel that reads it (as in backward())
-    q8, k8, v8, do8 = (pad(x, seg) for x in (q8, k8, v8, do8))
-    sq, sk, sv, sdo = (pad(s, seg, 1.0) for s in (sq, sk, sv, sdo))
+    # dO8 token-major is alive from here, k8t only for the dQ kernel and q8t only for the dK/dV one: two 1-byte
+    # token-major copies at a time, as in backward()
+    _, (do8, do8t, sdo) = quantize_padded(do, seg, config.grad_format, config.scale_rounding, packed=False,
+                                          token_major=True)
+    k8t = token_major(k8, k_order=True, src=seg.src)  # padded straight from the packed tensors
+    q8_ = q8
+    q8, k8, v8 = (pad(x, seg) for x in (q8, k8, v8))
+    sq, sk, sv = (pad(s, seg, 1.0) for s in (sq, sk, sv))
     lse = pad(lse, seg, float("-inf"))
     rows = dict(dtype=torch.float32, device=q8.device)
     delta, lse2 = torch.empty((B, Hq, seg.npad), **rows), torch.empty((B, Hq, seg.npad), **rows)
@@ -416,7 +413,7 @@ def _backward_packed(do8, q8, k8, v8, sq, sk, sv, sdo, lse, dq, dk, dv, seg, *, 
               n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
               pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg())
     del k8t
-    q8t, do8t = (token_major(x, k_order=True, src=seg.src) for x in (q8_, do8_))
+    q8t = token_major(q8_, k_order=True, src=seg.src)
     cfg = _dkdv_hopper_cfg(D)
     grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, True)
     dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,

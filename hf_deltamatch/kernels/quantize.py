@@ -34,15 +34,16 @@ def _k_order_source(k):
 
 @triton.jit
 def _quantize_kernel(
-    X, Y, YT, S, CU,
+    X, Y, YT, S, CU, PY, PYT, PS,
     sxb, sxh, sxn, sxd,
     syb, syh, syn, syd,
     stb, sth, stn, std,
-    H, N,
+    H, N, NPAD,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr, VARLEN: tl.constexpr, INTERP: tl.constexpr,
-    K_ORDER: tl.constexpr = False, TILES: tl.constexpr = False,
+    K_ORDER: tl.constexpr = False, TILES: tl.constexpr = False, WRITE_S: tl.constexpr = True,
+    WRITE_PY: tl.constexpr = False, WRITE_PYT: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -58,13 +59,14 @@ def _quantize_kernel(
     else:
         first = pid_t * BLOCK_T
         end = N
-    rows = first + tl.arange(0, BLOCK_T)
+    i = tl.arange(0, BLOCK_T)
+    rows = first.to(tl.int64) + i  # packed varlen batches: token * stride can pass 2^31
     cols = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < end) & (cols[None, :] < D)
-    rows = rows.to(tl.int64)  # packed varlen batches: token * stride can pass 2^31
-    src = rows
+    rel = i
     if K_ORDER:  # the tile's rows in token_major(k_order=True)'s order (the amax does not care): the token-major
-        src = _k_order_source(rows)  # copy is stored in order, the row-major one at the rows it came from
+        rel = _k_order_source(i)  # copies are stored in order, the row-major ones at the rows they came from
+    src = first.to(tl.int64) + rel
+    mask = (src[:, None] < end) & (cols[None, :] < D)
     x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
                 mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
@@ -75,56 +77,116 @@ def _quantize_kernel(
                  y, mask=mask)
     if WRITE_YT:
         tl.store(YT + b.to(tl.int64) * stb + h.to(tl.int64) * sth + rows[:, None] * stn + cols[None, :] * std,
-                 y, mask=mask)
-    tl.store(S + pid_bh.to(tl.int64) * N + rows, tl.zeros([BLOCK_T], tl.float32) + scale, mask=rows < end)
+                 y, mask=(rows[:, None] < end) & (cols[None, :] < D))
+    if WRITE_S:
+        tl.store(S + pid_bh.to(tl.int64) * N + rows, tl.zeros([BLOCK_T], tl.float32) + scale, mask=rows < end)
+    if WRITE_PY or WRITE_PYT:  # segments.py's padded layout (TILES): tile t is padded rows t * BLOCK_T ..; its
+        # rows past the sequence get zeros (x is 0 there) and scale 1, so every padded row is written
+        prow = pid_t.to(tl.int64) * BLOCK_T
+        cmask = cols[None, :] < D
+        if WRITE_PY:  # (B, H, NPAD, D) contiguous
+            tl.store(PY + (pid_bh.to(tl.int64) * NPAD + prow + rel[:, None]) * D + cols[None, :], y, mask=cmask)
+        if WRITE_PYT:  # (B, H, D, NPAD) contiguous: tokens contiguous
+            tl.store(PYT + (pid_bh.to(tl.int64) * D + cols[None, :]) * NPAD + prow + i[:, None], y, mask=cmask)
+        tl.store(PS + pid_bh.to(tl.int64) * NPAD + prow + i, tl.where(rows < end, scale, 1.0))
 
 
 def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=None, row_major=True,
-             transposed=False, k_order=False, tiles=None):
+             transposed=False, k_order=False, segments=None):
     """Quantize x (B, H, N, D) per `block`-token tile. Returns (y or None, yt or None, scale (B, H, N)).
 
     yt is a (B, H, N, D) view of a (B, H, D, N16) buffer (tokens contiguous, N rounded up to 16), written by the
     kernel itself if FUSED_TOKEN_MAJOR, else copied from y by token_major(); k_order: its tokens in
     token_major(k_order=True)'s order (the Gluon forward's V).
     Varlen: tokens outside every sequence get zeros and scale 1 (docs/numerics.md; TMA tiles read them).
-    tiles: the varlen batch's tiles as one int32 tensor, their first rows then their ends (segments.Segments.tiles
-    for block 128): one program per tile instead of the longest sequence's tiles x the sequences.
+    segments: the packed batch's segments.Segments (block 128, cu_seqlens its cu): one program per tile of its
+    sequences (Segments.tiles) instead of the longest sequence's tiles x the sequences, and only the rows outside
+    every sequence filled beforehand.
     """
     if k_order and (cu_seqlens is not None or x.shape[2] % 32):
         raise ValueError("quantize(k_order=True) permutes groups of 32 tokens: no varlen, N a multiple of 32.")
     if transposed and not FUSED_TOKEN_MAJOR:
-        y, _, scale = quantize(x, block, fmt, rounding, cu_seqlens, max_len, row_major=True)
+        y, _, scale = quantize(x, block, fmt, rounding, cu_seqlens, max_len, row_major=True, segments=segments)
         return (y if row_major else None), token_major(y, k_order), scale
     B, H, N, D = x.shape
     dt = FP8_TORCH[fmt]
-    alloc = torch.zeros if cu_seqlens is not None else torch.empty
-    y = alloc((B, H, N, D), dtype=dt, device=x.device) if row_major else None
+    tiled = segments is not None and cu_seqlens is not None
+    # varlen: zeros and scale 1 outside the sequences; with the tile list the kernel writes every row inside them
+    fill = cu_seqlens is not None and not tiled
+    y = (torch.zeros if fill else torch.empty)((B, H, N, D), dtype=dt, device=x.device) if row_major else None
     yt = None
     if transposed:  # token stride padded to 16 bytes, as a TMA descriptor over (B*H*D, N) needs
         n16 = -(-N // 16) * 16
-        yt = alloc((B, H, D, n16), dtype=dt, device=x.device)[..., :N].transpose(-1, -2)
-    if cu_seqlens is not None:
-        scale = torch.ones((B, H, N), dtype=torch.float32, device=x.device)
-        nseq = cu_seqlens.numel() - 1
-    else:
-        scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
-        nseq, max_len = 1, N
+        yt = (torch.zeros if fill else torch.empty)((B, H, D, n16), dtype=dt, device=x.device)[..., :N]
+        yt = yt.transpose(-1, -2)
+    scale = (torch.ones if fill else torch.empty)((B, H, N), dtype=torch.float32, device=x.device)
+    if tiled:
+        for t, value in ((y, 0.0), (yt, 0.0), (scale, 1.0)):
+            if t is not None:
+                _fill_outside(t, segments, value)
+    nseq = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
     if N == 0 or B * H == 0 or nseq == 0:
         return y, yt, scale
-    ys = y.stride() if y is not None else (0, 0, 0, 0)
-    ts = yt.stride() if yt is not None else (0, 0, 0, 0)
-    tiled = tiles is not None and cu_seqlens is not None
-    grid = (tiles.numel() // 2, B * H, 1) if tiled else (triton.cdiv(max(max_len, 1), block), B * H, nseq)
+    if tiled:
+        grid = (segments.tiles.numel() // 2, B * H, 1)
+    else:
+        grid = (triton.cdiv(max(max_len if cu_seqlens is not None else N, 1), block), B * H, nseq)
+    _launch(x, grid, block, fmt, rounding, y=y, yt=yt, scale=scale, cu=segments.tiles if tiled else cu_seqlens,
+            varlen=cu_seqlens is not None, tiles=tiled, k_order=k_order)
+    return y, yt, scale
+
+
+def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_major=True, token_major=False):
+    """Quantize a packed batch x (1, H, N, D) per 128-token tile of its sequences straight into segments.py's
+    padded layout, where the Gluon kernels read it: the same bytes and scales as quantize(x, 128,
+    cu_seqlens=segments.cu) followed by segments.pad (row_major) or token_major(k_order=True, src=segments.src)
+    (token_major), without a second pass over the operand. Returns (y, scale), the packed tensors (the ones the
+    backward keeps; (None, None) unless `packed`), and (py, pyt, ps): the padded row-major (1, H, npad, D) or
+    None, token-major (a (1, H, npad, D) view of (1, H, D, npad) storage, tokens in k_order) or None, and the
+    per-row scales (1, H, npad), 1 in the rows of no token."""
+    B, H, N, D = x.shape
+    dt, npad = FP8_TORCH[fmt], segments.npad
+    if segments.tiles.numel() * 64 != npad:
+        raise ValueError("quantize_padded needs segments.padded_layout's 128-token tiles")
+    y = scale = None
+    if packed:
+        y = torch.empty((B, H, N, D), dtype=dt, device=x.device)
+        scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
+        _fill_outside(y, segments, 0.0)
+        _fill_outside(scale, segments, 1.0)
+    py = torch.empty((B, H, npad, D), dtype=dt, device=x.device) if row_major else None
+    pyt = torch.empty((B, H, D, npad), dtype=dt, device=x.device).transpose(-1, -2) if token_major else None
+    ps = torch.empty((B, H, npad), dtype=torch.float32, device=x.device)
+    if npad and B * H and (y is not None or py is not None or pyt is not None):
+        _launch(x, (npad // 128, B * H, 1), 128, fmt, rounding, y=y, scale=scale, cu=segments.tiles, varlen=True,
+                tiles=True, k_order=token_major, py=py, pyt=pyt, ps=ps)
+    return (y, scale), (py, pyt, ps)
+
+
+def _fill_outside(t, segments, value):
+    """Fill the rows of t (B, H, N, ...) before the first sequence and from the last one's end on."""
+    t[:, :, :segments.first] = value
+    t[:, :, segments.last:] = value
+
+
+def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=None, varlen=False, tiles=False,
+            k_order=False, py=None, pyt=None, ps=None):
+    """_quantize_kernel over `grid` writing the outputs given (None: not written; their pointers get a stand-in)."""
+    B, H, N, D = x.shape
+    some = next(t for t in (y, yt, py, pyt) if t is not None)
+    rows = scale if scale is not None else ps
+    zeros = (0, 0, 0, 0)
     _quantize_kernel[grid](
-        x, y if y is not None else yt, yt if yt is not None else y, scale,
-        tiles if tiled else cu_seqlens,
-        *x.stride(), *ys, *ts, H, N,
+        x, some if y is None else y, some if yt is None else yt, rows, cu,
+        some if py is None else py, some if pyt is None else pyt, rows if ps is None else ps,
+        *x.stride(), *(y.stride() if y is not None else zeros), *(yt.stride() if yt is not None else zeros),
+        H, N, ps.shape[2] if ps is not None else 0,
         D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D),
         FMAX=FP8_MAX[fmt], E5M2=fmt == "e5m2", POW2=rounding == "pow2",
-        WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=cu_seqlens is not None, INTERP=INTERPRET,
-        K_ORDER=bool(k_order), TILES=tiled, num_warps=8 if D > 128 else 4,
+        WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=varlen, INTERP=INTERPRET,
+        K_ORDER=bool(k_order), TILES=tiles, WRITE_S=scale is not None, WRITE_PY=py is not None,
+        WRITE_PYT=pyt is not None, num_warps=8 if D > 128 else 4,
     )
-    return y, yt, scale
 
 
 @triton.jit

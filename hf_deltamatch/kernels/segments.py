@@ -25,6 +25,10 @@ class Segments(NamedTuple):
     src: torch.Tensor  # int32 (npad,): the packed token of each padded row, -1 for the rows of no token
     tiles: torch.Tensor  # int32 (2 * npad / 128,): each 128-token tile's first packed row, then its end
     npad: int  # rows per head of the padded layout
+    first: int  # cu[0] and cu[-1]: the packed rows before first and from last on belong to no sequence
+    last: int
+    gather: torch.Tensor  # int64 (npad,): src with 0 for -1, and
+    no_token: torch.Tensor  # bool (npad,): src < 0, for pad's index_select of row arrays (made once per layout)
 
 
 def padded_rows(lengths: torch.Tensor) -> torch.Tensor:
@@ -46,7 +50,7 @@ def padded_layout(cu_seqlens: torch.Tensor, first: int, last: int, npad: int) ->
     # a sequence's padded rows are at the end of its last tile: every tile starts at a token
     by_tile = src.view(-1, ROW_ALIGN)
     tiles = torch.cat([by_tile[:, 0], by_tile[:, 0] + (by_tile >= 0).sum(1, dtype=torch.int32)])
-    return Segments(cu_seqlens, pcu, src, tiles, npad)
+    return Segments(cu_seqlens, pcu, src, tiles, npad, first, last, src.clamp(min=0).long(), src < 0)
 
 
 def pad(x: torch.Tensor, seg: Segments, fill: float = 0.0) -> torch.Tensor:
@@ -58,4 +62,4 @@ def pad(x: torch.Tensor, seg: Segments, fill: float = 0.0) -> torch.Tensor:
         if fill != 0.0:
             raise ValueError("operands are padded with zeros")
         return pad_tokens(x, seg.src)
-    return x.index_select(2, seg.src.clamp(min=0).long()).masked_fill_(seg.src < 0, fill)
+    return x.index_select(2, seg.gather).masked_fill_(seg.no_token, fill)
