@@ -209,8 +209,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         # a packed batch: its padded layout (segments.py); out and lse stay packed
         ops = (q8p, k8p, v8tp, sqp, skp, svp) if varlen else (q8, k8, v8t, sq, sk, sv)
         cfg = _fwd_hopper_cfg(d)
-        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq,
-                                          bool(causal))
+        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq, bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
                    head_group=head_group, segments=seg, **cfg)
         return out, lse, q8, k8, v8, sq, sk, sv
@@ -293,18 +292,16 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
 
     if B * Hq == 0 or nseq == 0 or (N == 0 and M == 0):
         return _ret()
-    # Token-major copies are made right before the kernel that reads them and dropped after it, dO8's in the
-    # quantization pass: two 1-byte copies are alive at once (k8t and do8t in the dQ kernel, q8t and do8t in the
-    # dK/dV kernel).
+    # Token-major copies are made right before the kernel that reads them and dropped after it, so at most
+    # three 1-byte copies are alive at once (k8t for the dQ kernel; q8t and do8t for the dK/dV kernel).
     k8t = q8t = do8t = None
     if fp8 and varlen and hopper:
         _backward_packed(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, _layout(cu_seqlens_q, packing),
                          softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq)
         return _ret()
     if fp8:
-        do8, do8t, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
-                                  transposed=True, k_order=hopper,
-                                  segments=_quantize_segments(cu_seqlens_q, packing, T))
+        do8, _, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
+                               segments=_quantize_segments(cu_seqlens_q, packing, T))
         sq, sk, sv = q_scale, k_scale, v_scale
         doa = do8
     else:
@@ -353,8 +350,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     if M > 0 and max_m > 0:
         qa, qta, doa_, dota = qs, qs, doa, doa
         if fp8:
-            q8t = qta = token_major(q8, k_order=hopper)
-            dota = do8t
+            q8t, do8t = qta, dota = token_major(q8, k_order=hopper), token_major(do8, k_order=hopper)
         if hopper:
             from .dkdv_hopper import dkdv_hopper
             cfg = _dkdv_hopper_cfg(d)
