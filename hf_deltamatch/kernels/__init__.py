@@ -209,7 +209,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         # a packed batch: its padded layout (segments.py); out and lse stay packed
         ops = (q8p, k8p, v8tp, sqp, skp, svp) if varlen else (q8, k8, v8t, sq, sk, sv)
         cfg = _fwd_hopper_cfg(d)
-        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq, bool(causal))
+        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq,
+                                          bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
                    head_group=head_group, segments=seg, **cfg)
         return out, lse, q8, k8, v8, sq, sk, sv
