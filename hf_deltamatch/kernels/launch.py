@@ -206,12 +206,12 @@ DQ_HOPPER_STAGES = 3
 DQ_HOPPER_WARPGROUPS = 2
 
 
-# Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence copied to rows starting
-# at multiples of 128 first): causal self-attention, one batch row, no window, forward and backward alike. On
-# packed batches the Gluon forward and dQ kernels run at D=64 too, where dense batches keep the Triton ones: the
-# Triton kernels on a packed batch are far slower than on a dense one (H200, 32768 tokens of 26 documents,
-# B=1, H=32, D=64, run 0506: fwd+bwd 11.6 ms on the Triton kernels; forward 1.15 vs 1.81 ms and dQ 1.88 vs
-# 4.15 ms with the Gluon ones; FlashAttention-2 varlen 4.87 ms).
+# Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence at rows starting at
+# multiples of 128): causal self-attention, one batch row, no window, forward and backward alike. On packed
+# batches the Gluon forward runs at D=64 too, where dense batches keep the Triton one: the Triton kernels on a
+# packed batch are far slower than on a dense one (H200, 32768 tokens of 26 documents, B=1, H=32, D=64, run 0506:
+# fwd+bwd 11.6 ms on the Triton kernels; forward 1.15 vs 1.81 ms and dQ 1.88 vs 4.15 ms with the Gluon ones;
+# FlashAttention-2 varlen 4.87 ms; with the padded layout written by the quantization, 4.59 vs 4.91, run 0641).
 HOPPER_PACKED = True
 
 
@@ -245,7 +245,7 @@ FWD_HOPPER_STAGES = 2
 # 160 at D=64, whose accumulators are half the size, so that an SM runs three softmax streams, as the Triton
 # forward's three programs per SM do (H200, run 0519: 1.50 -> 1.13 ms at N=8192 causal, vs 1.11 for the Triton
 # forward, which dense batches keep; the packed batch 1.15 -> 0.96). The dQ kernel at D=64 spilled with three
-# (run 0527: 2.73 vs 2.55 ms) and keeps two.
+# (run 0527: 2.73 vs 2.55 ms) and keeps two (DQ_HOPPER_WARPGROUPS).
 FWD_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 
 

@@ -3,7 +3,8 @@
 The Gluon kernels (fwd_hopper.py, dq_hopper.py, dkdv_hopper.py) read 128-key and 64-query tiles through TMA and
 their token-major B operands in groups of 32 tokens (quantize.k_order), all counted from a sequence's first token,
 and TMA reads a token-major tile only from a 16-byte aligned start. A packed batch's sequences start anywhere, so
-the fp8 operands are copied into a padded layout first: sequence s at rows pcu[s] .. pcu[s] + len_s, pcu[s] a
+the fp8 operands go to a padded layout (q, k, v and dO quantized straight into it, quantize.quantize_padded; the
+saved q8, k8, v8 copied with pad and token_major(src=...)): sequence s at rows pcu[s] .. pcu[s] + len_s, pcu[s] a
 multiple of 128, the rows after it up to the next multiple of 128 zero. Per-row scales are padded with 1 and LSE
 with -inf, so a padded query row has P = 0 everywhere (no NaN, no contribution); the kernels write their outputs
 straight to the packed rows. The quantization tiles are the packed batch's (quantize with cu_seqlens): the same
