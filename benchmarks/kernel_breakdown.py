@@ -134,7 +134,7 @@ def sdpa(B, Hq, Hkv, N, D, causal, backend):
     gqa = Hq != Hkv
     with sdpa_kernel(be):
         f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)  # noqa
-        o = f()
+        f()  # compile and warm up outside the timing
         t_fwd = bench(f)
         t_all = bench(lambda: torch.autograd.grad(f(), (q, k, v), do))
     return dict(fwd_ms=t_fwd, total_ms=t_all)
@@ -208,11 +208,12 @@ def main():
         except Exception as e:  # a config that does not compile (smem) is a result too
             lines.append(f"variant {vshape} {var}: FAILED {type(e).__name__}: {str(e)[:120]}")
         K.TUNE.clear()
-    meta = dict(date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z",
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = dict(date=now.strftime("%Y-%m-%dT%H:%M:%SZ"),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version())
     os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.utcnow().strftime("%Y%m%d-%H%M") + (f"-{args.tag}" if args.tag else "")
+    stamp = now.strftime("%Y%m%d-%H%M") + (f"-{args.tag}" if args.tag else "")
     with open(os.path.join(args.out, f"kernel-breakdown-{stamp}.json"), "w") as fh:
         json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     text = "\n".join([f"# kernel breakdown {meta}", "ms (TFLOP/s)", *lines])
