@@ -94,3 +94,5 @@ def test_quantize_padded_equals_quantize_then_pad(fmt):
     assert torch.equal(py.float(), want[0].float()) and torch.equal(ps, want[2])
     with pytest.raises(ValueError, match="128-token tiles"):
         quantize_padded(x, seg._replace(tiles=seg.tiles[:2]), fmt)
+    with pytest.raises(ValueError, match="at least one"):
+        quantize_padded(x, seg, fmt, packed=False, row_major=False)

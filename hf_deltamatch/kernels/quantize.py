@@ -148,6 +148,8 @@ def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_m
     dt, npad = FP8_TORCH[fmt], segments.npad
     if segments.tiles.numel() * 64 != npad:
         raise ValueError("quantize_padded needs segments.padded_layout's 128-token tiles")
+    if not (packed or row_major or token_major):
+        raise ValueError("quantize_padded: ask for at least one of packed, row_major, token_major")
     y = scale = None
     if packed:
         y = torch.empty((B, H, N, D), dtype=dt, device=x.device)
@@ -157,7 +159,7 @@ def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_m
     py = torch.empty((B, H, npad, D), dtype=dt, device=x.device) if row_major else None
     pyt = torch.empty((B, H, D, npad), dtype=dt, device=x.device).transpose(-1, -2) if token_major else None
     ps = torch.empty((B, H, npad), dtype=torch.float32, device=x.device)
-    if npad and B * H and (y is not None or py is not None or pyt is not None):
+    if npad and B * H:
         _launch(x, (npad // 128, B * H, 1), 128, fmt, rounding, y=y, scale=scale, cu=segments.tiles, varlen=True,
                 tiles=True, k_order=token_major, py=py, pyt=pyt, ps=ps)
     return (y, scale), (py, pyt, ps)
