@@ -3,6 +3,7 @@
 with SDPA cuDNN BF16 timed in the same run as the base, and launch-config variants.
 
   python benchmarks/kernel_breakdown.py --out DIR [--shapes ...] [--variants ...] [--tag TAG]
+  python benchmarks/kernel_breakdown.py --profile-once SHAPE     # under a profiler: benchmarks/ncu_profile.sh
 
 Per-kernel device times come from torch.profiler (sum of each kernel's CUDA time per call); totals from
 triton.testing.do_bench (median, L2 flushed). The correction pass is the dQ kernel's time with
@@ -88,6 +89,28 @@ def kernel_times(fn, iters=5):
     return out
 
 
+def profile_once(name):
+    """One warm fwd+bwd of SHAPES[name] (fp8, matching) between cudaProfilerStart and Stop, for
+    `ncu --profile-from-start off` (benchmarks/ncu_profile.sh)."""
+    B, Hq, Hkv, N, D, causal = SHAPES[name]
+    q, do = (torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = _cu(name, N)
+    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu, cu_seqlens_k=cu,
+              config=DeltaMatchConfig())
+
+    def step():
+        f = K.forward(q, k, v, **kw)
+        K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+
+    step()  # compiles every kernel
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def run_shape(name, B, Hq, Hkv, N, D, causal, precision="fp8", delta="matching", fwd_only=False):
     cfg = DeltaMatchConfig(precision=precision, delta=delta)
     q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
@@ -157,7 +180,10 @@ def main():
     p.add_argument("--variant-shapes", default="d128-causal")
     p.add_argument("--variants-fwd-only", action="store_true", help="time only the forward of the variants")
     p.add_argument("--tag", default="", help="appended to the result files' names (e.g. the Triton version)")
+    p.add_argument("--profile-once", metavar="SHAPE", help="one fwd+bwd of SHAPE for a profiler, nothing timed")
     args = p.parse_args()
+    if args.profile_once:
+        return profile_once(args.profile_once)
     rows, lines = [], _Lines()
     for name in args.shapes.split(","):
         B, Hq, Hkv, N, D, causal = SHAPES[name]
