@@ -50,6 +50,80 @@ def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v
 
 
 @gluon.jit
+def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
+                s_acc, dp_acc, delta, sk_t, sv_t, MASKED: gl.constexpr, STAGES: gl.constexpr,
+                SCALE_AFTER_SUM: gl.constexpr):
+    """Pass 1 on key tile u: delta += rowsum(P * dP). sk_t, sv_t: its scales; returns the next tile's (pass 2's
+    first after the last): loaded a tile ahead, they no longer leave the warps waiting on L2 (ncu run 0733)."""
+    s_layout: gl.constexpr = s_acc.type.layout
+    s = u % STAGES
+    mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+    s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+    dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+    s_f = row_f * sk_t
+    dpf = dp_f * sv_t
+    ahead = kv_row + gl.where(u + 1 < n_k, u + 1, 0) * BLOCK_N
+    sk_t = gl.load(SK + ahead)
+    sv_t = gl.load(SV + ahead)
+    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S done; dP's MMA runs under the exponentials
+    # the mask on P, not on S: the scale and LSE2 then fuse into one FFMA per score on every tile
+    p = gl.exp2(s_acc * s_f - lse2[:, None])
+    if MASKED:  # the program's diagonal key tile (N = M: top-left = bottom-right)
+        keys = u * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
+    dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
+    mbarrier.arrive(empty.index(s))
+    if SCALE_AFTER_SUM:  # the tile's dP scale on its row sums, not on each dP: one FMUL per score less
+        delta += gl.sum(p * dp_acc, 1) * dpf
+    else:
+        delta += gl.sum(p * (dp_acc * dpf), 1)
+    return s_acc, dp_acc, delta, sk_t, sv_t
+
+
+@gluon.jit
+def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
+             lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, MASKED: gl.constexpr,
+             STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr):
+    """Pass 2 on key tile j: dS, its tile scale (stored for the dK/dV kernel) and dQ += dS8 k8; the next tile's
+    scales loaded a tile ahead, as in _delta_tile."""
+    s_layout: gl.constexpr = s_acc.type.layout
+    a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
+    u = n_k + j
+    s = u % STAGES
+    mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+    s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+    dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+    s_f = row_f * sk_t
+    dpf = dp_f * sv_t
+    c = sk_t  # times sds below
+    ahead = kv_row + gl.minimum(j + 1, n_k - 1) * BLOCK_N
+    sk_t = gl.load(SK + ahead)
+    sv_t = gl.load(SV + ahead)
+    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
+    p = gl.exp2(s_acc * s_f - lse2[:, None])
+    if MASKED:
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
+    dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
+    ds = p * (dp_acc * dpf - delta[:, None])
+    if ROW_SUMS:
+        rs += gl.sum(ds, 1)
+        ra += gl.sum(gl.abs(ds), 1)
+    sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
+    gl.store(DSS + dss_at + j, sds)  # this warpgroup's tile, for the dK/dV kernel
+    c = sds * c
+    dq = dq * (c_dq / c)
+    c_dq = c
+    # multiply by 1/sds: fp32 `/` is a MUFU op per element, and exp2 keeps the MUFU busy
+    ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in k_order
+    dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
+    # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    mbarrier.arrive(empty.index(s))
+    return s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t
+
+
+@gluon.jit
 def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty,
                    SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
                    dss_tk, dss_col0, out0, length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
@@ -57,7 +131,6 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
                    ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
-    a_layout: gl.constexpr = fp8_a_layout(d_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_sub = q_smem.slice(WG * 64, 64)
     do_sub = do_smem.slice(WG * 64, 64)
@@ -70,62 +143,33 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     s_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # fresh accumulators (use_acc=False) carried
     dp_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # from tile to tile: no zero fill per tile
     delta = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    sk_t = gl.load(SK + kv_row)
+    sv_t = gl.load(SV + kv_row)
+    # the causal diagonal key tile (the program's last) peeled off both loops: with the mask under a runtime
+    # condition inside the loop, ptxas may predicate it onto every tile (128 instructions per tile)
+    n_plain = n_k - 1 if CAUSAL else n_k
     mbarrier.wait(qo_bar, 0)
-    for u in range(n_k):  # pass 1: delta = rowsum(P * dP), the correction pass
-        s = u % STAGES
-        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-        dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
-        s_f = row_f * gl.load(SK + kv_row + u * BLOCK_N)  # per key tile
-        dpf = dp_f * gl.load(SV + kv_row + u * BLOCK_N)
-        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S done; dP's MMA runs under the exponentials
-        # the mask on P, not on S: the scale and LSE2 then fuse into one FFMA per score on every tile
-        p = gl.exp2(s_acc * s_f - lse2[:, None])
-        if CAUSAL:
-            if u == n_k - 1:  # the program's diagonal key tile (N = M: top-left = bottom-right)
-                keys = u * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-                p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
-        dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
-        mbarrier.arrive(empty.index(s))
-        if SCALE_AFTER_SUM:  # the tile's dP scale on its row sums, not on each dP: one FMUL per score less
-            delta += gl.sum(p * dp_acc, 1) * dpf
-        else:
-            delta += gl.sum(p * (dp_acc * dpf), 1)
+    for u in range(n_plain):  # pass 1: delta = rowsum(P * dP), the correction pass
+        s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+            q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows, s_acc,
+            dp_acc, delta, sk_t, sv_t, False, STAGES, SCALE_AFTER_SUM)
+    if CAUSAL:
+        s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+            q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
+            s_acc, dp_acc, delta, sk_t, sv_t, True, STAGES, SCALE_AFTER_SUM)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
     rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
     c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile)
-    for j in range(n_k):  # pass 2: dS and dQ
-        u = n_k + j
-        s = u % STAGES
-        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-        s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-        dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
-        sk_t = gl.load(SK + kv_row + j * BLOCK_N)
-        s_f = row_f * sk_t
-        dpf = dp_f * gl.load(SV + kv_row + j * BLOCK_N)
-        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
-        p = gl.exp2(s_acc * s_f - lse2[:, None])
-        if CAUSAL:
-            if j == n_k - 1:
-                keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-                p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
-        dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
-        ds = p * (dp_acc * dpf - delta[:, None])
-        if ROW_SUMS:
-            rs += gl.sum(ds, 1)
-            ra += gl.sum(gl.abs(ds), 1)
-        sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
-        gl.store(DSS + dss_row * dss_tk + dss_col0 + j, sds)  # this warpgroup's tile, for the dK/dV kernel
-        c = sds * sk_t
-        dq = dq * (c_dq / c)
-        c_dq = c
-        # multiply by 1/sds: fp32 `/` is a MUFU op per element, and exp2 keeps the MUFU busy
-        ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in k_order
-        dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
-        # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        mbarrier.arrive(empty.index(s))
+    dss_at = dss_row * dss_tk + dss_col0
+    for j in range(n_plain):  # pass 2: dS and dQ
+        s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
+            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
+            lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, False, STAGES, FMAX, POW2, ROW_SUMS)
+    if CAUSAL:
+        s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
+            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
+            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, True, STAGES, FMAX, POW2, ROW_SUMS)
     dq = dq * (c_dq * softmax_scale)
     drows = r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, d_layout))
     dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
