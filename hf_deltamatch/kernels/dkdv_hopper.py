@@ -79,15 +79,22 @@ def _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk):
 
 
 @gluon.jit
-def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, sq_t, sdo_t, sds, keys, col_f,
-          dp_f, m0, s_acc, dp_acc, dk, dv, c_dk, c_dv, masked, CAUSAL: gl.constexpr, FOLD: gl.constexpr):
+def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
+          bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv, masked,
+          CAUSAL: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr):
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
-    sq_t, sdo_t, sds: the tile's scales (q8's, dO8's, dS's), loaded a tile ahead by the caller."""
+    AHEAD: sq_t, sdo_t, sds (the tile's q8, dO8 and dS scales) were loaded a tile ahead by the caller; else they
+    are loaded here, under the MMAs."""
     s_layout: gl.constexpr = s_acc.type.layout
     a_layout: gl.constexpr = fp8_a_layout(dk.type.layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
     dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+    if not AHEAD:
+        row = bh * N + m0
+        sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
+        sdo_t = gl.load(SDO + row)
+        sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
     s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
     # LSE2 and delta came with the tile (TMA) and are read where needed: per-thread loads of them, held
     # across the MMA waits, cost 32 registers and spills (dK/dV 1.83 -> 1.55 ms, H200 run 0023)
@@ -158,41 +165,48 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         if CAUSAL:
             first = WG
         first = gl.where(kb < key_end, first, n_q)
-    # the query tiles' scales, loaded a tile ahead (read in the tile they were loaded for, they left the warps
-    # waiting on L2 under the MMAs: 4-6 % of the stall samples, ncu run 0733); tile t is query tile i of head g
+    # GQA: the query tiles' scales loaded a tile ahead (ncu run 0733: the warps waited on these L2 loads under the
+    # MMAs) and the tile's head and row counted up (no integer division per tile): 1.528 -> 1.446 ms (run 0744).
+    # Without GQA both made the kernel slower (1.408 -> 1.511 ms at D=128): the loads stay in the tile there.
     g = 0
     i = 0
-    SQ = SQ + bh0 * N + lo
-    SDO = SDO + bh0 * N + lo
-    DSS = DSS + (bh0 * dss_tq + lo // BLOCK_M) * dss_tk + dss_col
-    sq_n, sdo_n, sds_n = _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk)
+    if GROUPS > 1:
+        SQ_G = SQ + bh0 * N + lo
+        SDO_G = SDO + bh0 * N + lo
+        DSS_G = DSS + (bh0 * dss_tq + lo // BLOCK_M) * dss_tk + dss_col
+        sq_n, sdo_n, sds_n = _tile_scales(SQ_G, SDO_G, DSS_G, g, i, N, dss_tq, dss_tk)
     mbarrier.wait(kv_bar, 0)
     for t in range(GROUPS * n_q):
-        sq_t, sdo_t, sds = sq_n, sdo_n, sds_n
-        i1 = i + 1  # the next tile (the last reloads its own): no integer division per tile
-        g1 = g
         if GROUPS == 1:
-            i1 = gl.minimum(i1, n_q - 1)
+            g = 0
+            i = t
+            sq_t = col_f  # unread: the tile loads its scales
+            sdo_t = col_f
+            sds = col_f
         else:
-            wrap = i1 == n_q
+            sq_t, sdo_t, sds = sq_n, sdo_n, sds_n
+            wrap = i + 1 == n_q  # the next tile (the last reloads its own)
             g1 = gl.where(wrap, gl.minimum(g + 1, GROUPS - 1), g)
-            i1 = gl.where(wrap, gl.where(g + 1 < GROUPS, 0, i), i1)
-        sq_n, sdo_n, sds_n = _tile_scales(SQ, SDO, DSS, g1, i1, N, dss_tq, dss_tk)
+            i1 = gl.where(wrap, gl.where(g + 1 < GROUPS, 0, i), i + 1)
+            sq_n, sdo_n, sds_n = _tile_scales(SQ_G, SDO_G, DSS_G, g1, i1, N, dss_tq, dss_tk)
         m0 = lo + i * BLOCK_M
         s = t % STAGES
         mbarrier.wait(ready.index(s), (t // STAGES) & 1)
         if WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
             s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
-                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, sq_t, sdo_t, sds, keys,
-                col_f, dp_f, m0, s_acc, dp_acc, dk, dv, c_dk, c_dv, i < 2, CAUSAL, FOLD)
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
+                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+                i < 2, CAUSAL, FOLD, GROUPS > 1)
         else:
             if i >= first:  # the diagonal tile is this warpgroup's first
                 s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
-                    k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, sq_t, sdo_t, sds, keys,
-                    col_f, dp_f, m0, s_acc, dp_acc, dk, dv, c_dk, c_dv, i == first, CAUSAL, FOLD)
+                    k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys,
+                    col_f, dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv,
+                    c_dk, c_dv, i == first, CAUSAL, FOLD, GROUPS > 1)
         mbarrier.arrive(empty.index(s))  # this stage's tiles are read
-        g = g1
-        i = i1
+        if GROUPS > 1:
+            g = g1
+            i = i1
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))

@@ -85,20 +85,13 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
         if CAUSAL:
             n_own = gl.minimum(diag + 1, n_k)
         n_own = gl.where(r0 < length, n_own, 0)
-    # sk, sv: one scale per key tile, loaded a tile ahead (read in the tile they were loaded for, they left every
-    # warp waiting on L2 under the MMA: 9 % of the warps' stall samples, ncu run 0733)
-    sk_next = gl.load(SK + kv_row)
-    sv_next = gl.load(SV + kv_row)
     mbarrier.wait(q_bar, 0)
     for j in range(n_own):
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-        f = row_f * sk_next
-        c = sv_next * (1.0 / 256.0)
-        ahead = kv_row + gl.minimum(j + 1, n_own - 1) * BLOCK_N  # the last tile reloads its own
-        sk_next = gl.load(SK + ahead)
-        sv_next = gl.load(SV + ahead)
+        f = row_f * gl.load(SK + kv_row + j * BLOCK_N)  # sk, sv: one scale per key tile
+        c = gl.load(SV + kv_row + j * BLOCK_N) * (1.0 / 256.0)
         s_acc = warpgroup_mma_wait(0, deps=(s_acc, ))
         keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         if CAUSAL:

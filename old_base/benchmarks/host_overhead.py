@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""Host (CPU) time of one kernels.forward / kernels.backward call, Triton kernels vs the Gluon ones, on the GPU.
+
+  python benchmarks/host_overhead.py [--out DIR] [--profile]
+
+A call's host time is what its launches cost the CPU; when it exceeds the kernels' GPU time the GPU waits (short
+sequences, the forward). Measured on a small shape (B=1, H=2, N=1024, D=128, causal), where the GPU work is
+tiny: the mean wall time of 200 calls issued back to back, synchronized once at the end. --profile adds the
+top of a cProfile of 50 calls per path (where the host time goes).
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from hf_deltamatch import kernels as K  # noqa: E402
+from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
+
+PATHS = {"triton": dict(fwd_hopper=False, dq_hopper=False, dkdv_hopper=False),
+         "gluon": dict(fwd_hopper=True, dq_hopper=True, dkdv_hopper=True)}
+
+
+def host_ms(fn, n=200):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3 / n
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    B, H, N, D = 1, 2, 1024, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    res, text = {}, []
+    for name, tune in PATHS.items():
+        K.TUNE.clear()
+        K.TUNE.update(tune)
+        f = K.forward(q, k, v, **kw)
+        fwd = lambda: K.forward(q, k, v, **kw)  # noqa: E731
+        bwd = lambda: K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)  # noqa: E731
+        res[name] = dict(fwd_ms=host_ms(fwd), bwd_ms=host_ms(bwd))
+        text.append(f"{name:7s} host ms per call: forward {res[name]['fwd_ms']:.3f}  "
+                    f"backward {res[name]['bwd_ms']:.3f}")
+        if args.profile:
+            for part, fn in (("forward", fwd), ("backward", bwd)):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(50):
+                    fn()
+                prof.disable()
+                torch.cuda.synchronize()
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(18)
+                text.append(f"--- {name} {part}: cProfile of 50 calls\n" + s.getvalue())
+    K.TUNE.clear()
+    print("\n".join(text))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host-overhead.json"), "w") as fh:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, shape=[B, H, N, D],
+                           results=res), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+#!/usr/bin/env python
+"""Registers and spills of the kernels compiled for sm_90 (H100/H200), on any machine: no GPU needed.
+
+  python benchmarks/sm90_registers.py [--kernels fwd,dq,dkdv] [--d 128] [--variants "{'fwd': (128, 4, 3)}"] [--loops]
+
+Compiles with `triton.compile` for target cuda:90 and reads the cubin's resource usage with the cuobjdump that
+ships inside triton. Spills are the first thing to look at before spending GPU time on a launch config: a
+config that spills hundreds of bytes per thread ran 2-3x slower on the H200 (benchmarks/NOTES.md). Pointer
+and stride arguments are marked divisible by 16, as the launcher does for our tensors; without it loads
+compile to byte accesses and nothing pipelines.
+
+--loops adds, per innermost loop of the SASS (a backward branch's body: about one per key- or query-tile range,
+though ptxas may lay a masked loop out as two overlapping ones), the instructions one warp issues per iteration
+by kind: the H200 runs showed these loops limited by their instruction streams rather than by the tensor cores
+or the MUFU (benchmarks/NOTES.md, session 5), so this count is the figure to lower.
+"""
+
+import argparse
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from hf_deltamatch import kernels as K
+from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
+from hf_deltamatch.kernels.forward import _fwd_kernel
+
+FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "LSE2", "RS", "RA", "DSS"}
+I32_PTRS = {"CUQ", "CUK"}
+FP8_PTRS = {"Q", "QT", "K", "KT", "V", "DO", "DOT"}
+OUT_PTRS = {"O", "DQ", "DK", "DV", "DOHP"}
+FLOATS = {"softmax_scale"}
+
+
+def signature(fn, constexprs):
+    sig, attrs = {}, {}
+    descs = {}  # TMA tensor descriptors: (rows, cols) of each tile
+    if constexprs.get("TMA"):
+        bm, bn, bd, bv = (constexprs[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_DQK", "BLOCK_DV"))
+        descs = {"_fwd_kernel": {"Q": (bm, bd), "K": (bn, bd), "V": (bv, bn)},
+                 "_bwd_dq_kernel": {"K": (bn, bd), "KT": (bd, bn), "V": (bn, bv)},
+                 "_bwd_dkdv_kernel": {"Q": (bm, bd), "QT": (bd, bm), "DO": (bm, bv), "DOT": (bv, bm)}}[fn.__name__]
+    marked = set(strides(fn, constexprs)[1])  # the non-unit strides
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            continue
+        if name in descs:
+            sig[name] = "tensordesc<fp8e4nv[%d, %d]>" % descs[name]
+            continue
+        if name in FP8_PTRS:
+            sig[name] = "*fp8e4nv" if constexprs.get("FP8") else "*bf16"
+        elif name in FP32_PTRS:
+            sig[name] = "*fp32"
+        elif name in I32_PTRS:
+            sig[name] = "*i32"
+        elif name in OUT_PTRS:
+            sig[name] = "*bf16"
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+        # pointers and strides (but the unit strides, specialized away in usage()) are multiples of 16, and so
+        # are the sequence lengths of the benchmarks' launches (N = M = 8192; Triton marks such ints itself)
+        if sig[name].startswith("*") or name in marked or name in ("N", "M"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def strides(fn, constexprs):
+    """(the stride arguments that are 1 at every launch, the others). The last dim's stride is 1, except in the
+    fp8 backward's token-major copies (KT, QT, DOT: (B, H, D, N) storage seen as (B, H, N, D)), whose token
+    stride is 1 and head-dim stride the token count padded to 16 (quantize.token_major)."""
+    names = [a for a in fn.arg_names if re.fullmatch(r"(s|kt|qt|dt)[a-z]*[bhnd]", a) and a != "softmax_scale"
+             and a not in constexprs]
+    token_major = {"ktn", "qtn", "dtn"} if constexprs.get("FP8") else set()
+    unit = {a for a in names if a in token_major or (a.endswith("d") and a[:-1] + "n" not in token_major)}
+    return unit, [a for a in names if a not in unit]
+
+
+def gluon_signature(fn, constexprs, d):
+    """(signature, attrs) of one of the Gluon kernels (kernels/*_hopper.py) at head dim d: TMA descriptors by their
+    boxes (a program's queries, keys or one query tile, by d, or d by them) and shared layouts; fp32 pointers for
+    the scale and row arrays; the outputs bf16."""
+    from hf_deltamatch.kernels import _gluon as H
+
+    def desc(rows, cols):
+        return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout((rows, cols))!r}>"
+    n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
+    qb = 2 * m if constexprs.get("WGS", 2) == 2 else m  # the forward's q box per load
+    kb = n if constexprs.get("WGS", 2) == 2 else 64  # the dK/dV kernel's k and v boxes per load
+    boxes = {  # per kernel: descriptor -> box
+        "_bwd_dkdv_hopper_kernel": {"k_desc": (kb, d), "v_desc": (kb, d), "q_desc": (m, d), "do_desc": (m, d),
+                                    "qt_desc": (d, m), "dot_desc": (d, m)},
+        "_bwd_dq_hopper_kernel": {"q_desc": (qb, d), "do_desc": (qb, d), "k_desc": (n, d), "v_desc": (n, d),
+                                  "kt_desc": (d, n)},
+        "_fwd_hopper_kernel": {"q_desc": (qb, d), "k_desc": (n, d), "vt_desc": (d, n)},
+    }[fn.__name__]
+    sig = {}
+    for a in fn.arg_names:
+        if a in constexprs:
+            sig[a] = "constexpr"
+        elif a in boxes:
+            sig[a] = desc(*boxes[a])
+        elif a in ("lse_desc", "delta_desc"):
+            sig[a] = f"tensordesc<fp32[{m}],{H.ROW_LAYOUT.value!r}>"
+        elif a in ("O", "DQ", "DK", "DV"):
+            sig[a] = "*bf16"
+        elif a in ("CU", "PCU"):  # a packed batch's cu_seqlens and padded starts (kernels.segments)
+            sig[a] = "*i32"
+        elif a == "softmax_scale":
+            sig[a] = "fp32"
+        elif a.isupper() and a not in ("N", "N_OUT"):
+            sig[a] = "*fp32"
+        else:
+            sig[a] = "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if sig[a][0] == "*" or a == "N"}
+    return sig, attrs
+
+
+def usage(fn, constexprs, warps, stages, maxnreg=None):
+    if fn.__name__.endswith("_hopper_kernel"):
+        from triton.experimental.gluon._runtime import GluonASTSource
+        sig, attrs = gluon_signature(fn, constexprs, constexprs["HEAD_D"])
+        src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    else:
+        sig, attrs = signature(fn, constexprs)
+        for name in strides(fn, constexprs)[0]:  # Triton specializes 1-valued ints as constants
+            sig[name] = "constexpr"
+            constexprs = {**constexprs, name: 1}
+        src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages, maxnreg=maxnreg))
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", f.name],
+                             capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True).stdout
+    # ptxas's own verdict on the wgmma pipeline: C7510-C7520 "wgmma.mma_async instructions are serialized due to
+    # ..." means it waits after every wgmma (Triton does not show ptxas's info lines)
+    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+        f.write(c.asm["ptx"])
+        f.flush()
+        log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    serialized = re.findall(r"serialized due to ([^']*?) in the function", log)
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    mma = sorted(set(re.findall(r"[QH]GMMA\.[\w.]+", sass)))
+    # the instructions without their addresses: equal hashes = a refactor that changed no instruction
+    body = "\n".join(re.sub(r"/\*[0-9a-f]+\*/", "", line.split(";")[0]).strip()
+                     for line in sass.splitlines() if "/*" in line and ";" in line)
+    return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=int(stack.group(1)) if stack else None,
+                smem=c.metadata.shared, mma=mma, serialized="; ".join(serialized) or "no", loops=loops(sass),
+                sass_md5=hashlib.md5(body.encode()).hexdigest()[:12], sass=body)
+
+
+# opcode -> the report's column (the rest count as "other": integer, uniform-datapath, predicate, branch ops)
+KINDS = {"MUFU": "mufu", "FFMA": "fp32", "FMUL": "fp32", "FADD": "fp32", "FMNMX": "fp32", "FSEL": "fp32",
+         "FSETP": "fp32", "QGMMA": "mma", "HGMMA": "mma", "SHFL": "shfl", "F2FP": "cvt", "LDL": "spill",
+         "STL": "spill", "LDG": "mem", "STG": "mem", "LDS": "mem", "STS": "mem", "LDSM": "mem", "LDGSTS": "mem"}
+
+
+def loops(sass):
+    """[(start address, {kind: count})] for the innermost loops of a cuobjdump -sass listing: the bodies between
+    a backward branch's target and the branch (outer loops, which contain another, are left out)."""
+    ins = [(int(a, 16), re.sub(r"^@!?U?P\w+\s+", "", i).split()[0].split(".")[0])
+           for a, i in re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*);", sass, re.M)]
+    spans = []
+    for a, i in re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+([^;]*);", sass, re.M):
+        m = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", i)
+        if m and 0 < int(a, 16) - int(m.group(1), 16):
+            spans.append((int(m.group(1), 16), int(a, 16)))
+    inner = [(lo, hi) for lo, hi in spans if hi - lo > 0x100  # busy-wait loops (try-wait on a barrier) are tiny
+             and not any((lo, hi) != (l2, h2) and lo <= l2 and h2 <= hi and h2 - l2 > 0x100 for l2, h2 in spans)]
+    out = []
+    for lo, hi in sorted(set(inner)):
+        counts = {"all": 0}
+        for a, op in ins:
+            if lo <= a <= hi:
+                counts["all"] += 1
+                kind = KINDS.get(op, "other")
+                counts[kind] = counts.get(kind, 0) + 1
+        out.append((lo, counts))
+    return out
+
+
+def common(d, fp8, causal, groups=1):
+    return dict(DQK=d, BLOCK_DQK=d, BLOCK_DV=d, CAUSAL=causal, HAS_WINDOW=False, VARLEN=False, FP8=fp8,
+                INTERP=False, GROUPS=groups)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--kernels", default="fwd,dq,dkdv")
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--full", action="store_true", help="the full mask instead of causal")
+    p.add_argument("--groups", type=int, default=1, help="query heads per KV head (GQA)")
+    p.add_argument("--varlen", action="store_true", help="the Gluon kernels' packed-batch variant (causal)")
+    p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) to, <kernel>.sass")
+    p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
+    p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
+    args = p.parse_args()
+    fp8 = not args.bf16
+    for var in args.variants.split(";"):
+        K.TUNE.clear()
+        K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
+        causal = not args.full
+        c = common(args.d, fp8, causal, args.groups)
+        fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
+        kv_n = K._dkdv_block_n(args.block, args.d, K._dkdv_ds_scales(args.d, fp8))
+        dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8, kv_n, args.block)
+        bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
+        wait = {k: dict(WAIT_MMA=K._wait_mma(k, args.d), ASM_SCALES=K._asm_scales(k, args.d))
+                for k in ("fwd", "dq", "dkdv")}
+        wait["dq"]["SCALE_AFTER_SUM"] = K._scale_after_sum(args.d)
+        lse2, shift = K._dkdv_lse2(args.d), K._dkdv_p_shift(args.d, fp8)
+        wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
+        dss = K._dkdv_ds_scales(args.d, fp8)
+        wait["dq"]["DSS_OUT"] = dss
+        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=K._dkdv_parts(args.d)[-1], DSS_IN=dss,
+                            FOLD=K._dkdv_fold_ds_scale(args.d, dss))
+        jobs = {
+            "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
+                                      TMA=K._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),
+            "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
+                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
+                                        TMA=K._use_tma("dq", fp8, args.d, args.d), **wait["dq"]), dw, ds),
+            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q,
+                                            BLOCK_N=kv_n, DS_K=args.block,
+                                            TMA=K._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
+        }
+        if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
+            from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
+            cfg = K._dkdv_hopper_cfg(args.d)
+            jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
+                                                            STAGES=cfg["stages"], FOLD=cfg["fold"],
+                                                            VARLEN=args.varlen, WGS=cfg["warpgroups"],
+                                                            REGS=cfg["regs"]), 4, 1)
+        if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
+            from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
+            jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
+                GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=K._dq_hopper_cfg()["stages"],
+                SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
+                VARLEN=args.varlen), 4, 1)
+        if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
+            from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
+            cfg = K._fwd_hopper_cfg(args.d)
+            jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
+                                                           STAGES=cfg["stages"], VARLEN=args.varlen,
+                                                           WGS=cfg["warpgroups"], REGS=cfg["regs"]), 4, 1)
+        for name in args.kernels.split(","):
+            fn, cx, w, s = jobs[name]
+            u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))
+            print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
+                  f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']} sass={u['sass_md5']}",
+                  flush=True)
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
+                    f.write(u["sass"])
+            if args.loops:
+                for lo, counts in u["loops"]:
+                    print(f"{'':46s} loop @{lo:#07x}: " + " ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
+    K.TUNE.clear()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""`deltamatch_attention`: the one public op. Validation, backend dispatch, autograd, torch.compile support.
+
+The op is a `torch.library` custom op with a registered autograd formula, so `torch.compile` traces it
+as one node (no graph break) and eager mode gets the same backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Optional
+
+import torch
+
+from . import reference
+from ._tensor_cache import TensorCache
+from .config import DeltaMatchConfig
+
+_default_config = DeltaMatchConfig()
+_MAX_HEAD_DIM = 256
+
+
+def set_default_config(config: DeltaMatchConfig) -> None:
+    """The config used when a call passes none (e.g. from transformers models)."""
+    global _default_config
+    if not isinstance(config, DeltaMatchConfig):
+        raise TypeError(f"expected a DeltaMatchConfig, got {type(config).__name__}")
+    _default_config = config
+
+
+def get_default_config() -> DeltaMatchConfig:
+    return _default_config
+
+
+def _triton_usable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(config: DeltaMatchConfig, device: torch.device) -> str:
+    """'triton' or 'reference' for this call (config.backend after env overrides)."""
+    if config.backend == "reference":
+        return "reference"
+    if config.backend == "triton":
+        if not _triton_usable():
+            raise RuntimeError("backend='triton' needs the `triton` package: pip install 'hf-deltamatch[triton]'.")
+        if device.type != "cuda":
+            import os
+
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError(
+                    f"backend='triton' on a {device.type} tensor needs TRITON_INTERPRET=1 (set before importing "
+                    "hf_deltamatch) to run the kernels in Triton's interpreter; or use backend='reference'."
+                )
+        return "triton"
+    return "triton" if device.type == "cuda" and _triton_usable() else "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def _backend_module(name: str):
+    if name == "triton":
+        from . import kernels
+
+        return kernels
+    return reference
+
+
+def _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D (batch, heads, tokens, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}. For packed sequences use batch 1 with cu_seqlens_q/cu_seqlens_k."
+        )
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"deltamatch_attention takes bf16 or fp16 inputs, got {q.dtype}; cast q/k/v (e.g. .to(torch.bfloat16)) "
+            "or run the model under torch.autocast."
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if not (q.device == k.device == v.device):
+        raise ValueError("q, k, v must be on one device.")
+    B, Hq, N, Dqk = q.shape
+    if k.shape[0] != B or v.shape[0] != B or k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}.")
+    if k.shape[3] != Dqk:
+        raise ValueError(f"q and k head dims differ ({Dqk} vs {k.shape[3]}).")
+    if Hq % k.shape[1] != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({k.shape[1]}) for GQA/MQA.")
+    for name, d in (("q/k", Dqk), ("v", v.shape[3])):
+        if d % 16 != 0 or d > _MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name} head dim {d} is not supported: FP8 tensor cores need a multiple of 16 up to "
+                f"{_MAX_HEAD_DIM}. Use attn_implementation='sdpa' (or 'eager') for this model."
+            )
+    if window is not None:
+        if not causal:
+            raise ValueError("window (sliding-window attention) is supported with causal=True only.")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (keys a query sees, itself included); got {window}.")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("pass both cu_seqlens_q and cu_seqlens_k, or neither.")
+    if cu_seqlens_q is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be 1 (sequences concatenated on the token axis); got {B}.")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with one entry per sequence plus one.")
+        end_q, end_k, decreasing = _CU_FACTS.get((cu_seqlens_q, cu_seqlens_k), lambda: torch.stack([
+            cu_seqlens_q[-1].long(), cu_seqlens_k[-1].long(),
+            ((cu_seqlens_q.diff() < 0).any() | (cu_seqlens_k.diff() < 0).any()).long()]).tolist())
+        if end_q != N or end_k != k.shape[2]:
+            raise ValueError(f"cu_seqlens end at {end_q}/{end_k} but q/k have {N}/{k.shape[2]} tokens.")
+        if decreasing:
+            raise ValueError("cu_seqlens must be non-decreasing.")
+
+
+# what _check_inputs reads of cu_seqlens (one host sync), per pair of cu_seqlens tensors: a model's layers share them
+_CU_FACTS = TensorCache()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The custom op: forward and backward as opaque nodes, autograd registered between them
+# ----------------------------------------------------------------------------------------------------
+
+
+def _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic):
+    return DeltaMatchConfig(precision=precision, delta=delta, block=block, scale_rounding=scale_rounding,
+                            grad_format=grad_format, backend=backend, deterministic=deterministic)
+
+
+@torch.library.custom_op("hf_deltamatch::attention_forward", mutates_args=())
+def _attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    window: Optional[int], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    precision: str, delta: str, block: int, scale_rounding: str, grad_format: str, backend: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:
+    config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
+    impl = _backend_module(backend)
+    return impl.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config)
+
+
+@_attention_forward.register_fake
+def _(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, precision, delta, block,
+      scale_rounding, grad_format, backend, deterministic):
+    B, Hq, N, _ = q.shape
+    out = q.new_empty(B, Hq, N, v.shape[-1])
+    lse = q.new_empty(B, Hq, N, dtype=torch.float32)
+    if precision == "fp8":
+        f8 = torch.float8_e4m3fn
+        saved = (q.new_empty(q.shape, dtype=f8), k.new_empty(k.shape, dtype=f8), v.new_empty(v.shape, dtype=f8),
+                 q.new_empty(q.shape[:-1], dtype=torch.float32), k.new_empty(k.shape[:-1], dtype=torch.float32),
+                 v.new_empty(v.shape[:-1], dtype=torch.float32))
+    else:
+        empty8, empty32 = q.new_empty(0, dtype=torch.float8_e4m3fn), q.new_empty(0, dtype=torch.float32)
+        saved = (empty8, empty8.clone(), empty8.clone(), empty32, empty32.clone(), empty32.clone())
+    return (out, lse, *saved)
+
+
+@torch.library.custom_op("hf_deltamatch::attention_backward", mutates_args=())
+def _attention_backward(
+    do: torch.Tensor, q: Optional[torch.Tensor], k: Optional[torch.Tensor], v: Optional[torch.Tensor],
+    out: Optional[torch.Tensor], lse: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+    q_scale: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, causal: bool, softmax_scale: float,
+    window: Optional[int], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    precision: str, delta: str, block: int, scale_rounding: str, grad_format: str, backend: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
+    impl = _backend_module(backend)
+    return tuple(impl.backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal=causal,
+                               softmax_scale=softmax_scale, window=window, cu_seqlens_q=cu_seqlens_q,
+                               cu_seqlens_k=cu_seqlens_k, config=config))
+
+
+@_attention_backward.register_fake
+def _(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
+      cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend, deterministic):
+    qs, ks, vs = (q8, k8, v8) if precision == "fp8" else (q, k, v)
+    return (do.new_empty(qs.shape), do.new_empty(ks.shape), do.new_empty(vs.shape))
+
+
+_NON_TENSOR_ARGS = ("causal", "softmax_scale", "window", "cu_seqlens_q", "cu_seqlens_k", "precision", "delta",
+                    "block", "scale_rounding", "grad_format", "backend", "deterministic")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *rest = inputs
+    ctx.args = dict(zip(_NON_TENSOR_ARGS, rest))
+    out, lse, q8, k8, v8, sq, sk, sv = output
+    # Only `out` carries a gradient; backprop through lse would otherwise be dropped silently.
+    ctx.mark_non_differentiable(lse, q8, k8, v8, sq, sk, sv)
+    fp8 = ctx.args["precision"] == "fp8"
+    stale = ctx.args["delta"] == "stale"
+    # fp8 mode keeps only the quantized operands (half the bytes of bf16 q/k/v); O only for stale delta.
+    ctx.save_for_backward(None if fp8 else q, None if fp8 else k, None if fp8 else v, out if stale else None,
+                          lse, q8, k8, v8, sq, sk, sv)
+
+
+def _backward(ctx, grad_out, *_unused_grads):
+    q, k, v, out, lse, q8, k8, v8, sq, sk, sv = ctx.saved_tensors
+    a = ctx.args
+    dq, dk, dv = _attention_backward(
+        grad_out.contiguous(), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, a["causal"], a["softmax_scale"],
+        a["window"], a["cu_seqlens_q"], a["cu_seqlens_k"], a["precision"], a["delta"], a["block"],
+        a["scale_rounding"], a["grad_format"], a["backend"], a["deterministic"])
+    return (dq, dk, dv) + (None,) * len(_NON_TENSOR_ARGS)
+
+
+torch.library.register_autograd("hf_deltamatch::attention_forward", _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------
+
+
+def deltamatch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    window: int | None = None,
+    config: DeltaMatchConfig | None = None,
+    return_lse: bool = False,
+):
+    """FP8 attention with Delta-Matching backward (docs/numerics.md is the exact contract).
+
+    q (B, Hq, N, Dqk), k (B, Hkv, M, Dqk), v (B, Hkv, M, Dv) in bf16/fp16; returns (B, Hq, N, Dv) in the
+    input dtype (and the fp32 log-sum-exp (B, Hq, N) if `return_lse`). GQA/MQA: Hq a multiple of Hkv.
+    causal:        bottom-right aligned when N < M (as flash-attention).
+    cu_seqlens_*:  packed sequences (B must be 1), int32 cumulative lengths; sequences never see each other.
+    max_seqlen_*:  accepted for flash-attention compatibility (computed from cu_seqlens when needed).
+    window:        sliding window with causal: each query sees its `window` most recent keys, itself included.
+    config:        DeltaMatchConfig (default: `set_default_config`'s, then HF_DELTAMATCH_* env overrides).
+    """
+    config = (config or _default_config).with_env_overrides()
+    _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        # the kernels take the row max on unscaled scores (max(qk) * scale == max(qk * scale) needs scale > 0)
+        raise ValueError(f"softmax_scale must be a finite number > 0 (got {softmax_scale}); scale q instead.")
+    backend = resolve_backend(config, q.device)
+    if backend == "triton":
+        from . import kernels
+
+        reason = kernels.supports(q, k, v, window, config)
+        if reason is not None:
+            if config.backend == "triton":
+                raise ValueError(f"the Triton kernels do not support this input: {reason}. "
+                                 "Use DeltaMatchConfig(backend='reference') or HF_DELTAMATCH_BACKEND=reference.")
+            # Same contract, same result, only slower: say so once rather than fail a training run.
+            _warn_once(f"deltamatch_fp8: Triton kernels do not support this input ({reason}); using the PyTorch "
+                       "reference backend (same numerics, slower).")
+            backend = "reference"
+    if cu_seqlens_q is not None:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+    out, lse, *_ = _attention_forward(
+        q, k, v, bool(causal), float(softmax_scale), window, cu_seqlens_q, cu_seqlens_k, config.precision,
+        config.delta, config.block, config.scale_rounding, config.grad_format, backend, config.deterministic)
+    return (out, lse) if return_lse else out

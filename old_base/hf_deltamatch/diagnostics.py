@@ -1,0 +1,136 @@
+"""The paper's point in one minute, on any machine: stale delta breaks softmax's zero-row-sum, matching keeps it.
+
+For one attention problem, compares precision="fp8" with delta="matching" and "stale", and precision="bf16",
+against float64 exact attention:
+  - dS row-sum residual  ||sum_j dS_ij|| / ||sum_j |dS_ij|||   (exact attention: 0; the invariant)
+  - relative error of out, dQ, dK, dV  ||x - exact|| / ||exact||
+  - key-gradient drift   ||sum_j dK_j|| / ||dK||             (exact attention: 0, since sum_j dS_ij = 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from . import reference
+from .attention import deltamatch_attention
+from .config import DeltaMatchConfig
+
+PROFILES = ("gaussian", "outliers", "sinks")
+MODES = (("fp8", "matching"), ("fp8", "stale"), ("bf16", "matching"))
+
+
+@dataclasses.dataclass
+class Row:
+    mode: str
+    row_sum_residual: float
+    err_out: float
+    err_dq: float
+    err_dk: float
+    err_dv: float
+    dk_drift: float
+
+
+def make_inputs(profile: str, batch=1, heads=2, kv_heads=None, n=1024, d=64, seed=0, dtype=torch.bfloat16,
+                device="cpu"):
+    """q, k, v, dO for an input profile: gaussian; outliers (a few channels larger: 4x in q/k,
+    20x in v, as in LLM activations); sinks (every query attends strongly to the first key, as trained LLMs do)."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown input profile {profile!r}; choose one of {list(PROFILES)}")
+    kv_heads = kv_heads or heads
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, n, d, generator=g)
+    k = torch.randn(batch, kv_heads, n, d, generator=g)
+    v = torch.randn(batch, kv_heads, n, d, generator=g)
+    do = torch.randn(batch, heads, n, d, generator=g)
+    if profile == "outliers":
+        channels = torch.randperm(d, generator=g)[: max(1, d // 16)]
+        q[..., channels] *= 4.0  # larger q/k outliers make softmax one-hot, where any rounding flips argmax
+        k[..., channels] *= 4.0
+        v[..., channels] *= 20.0
+    elif profile == "sinks":
+        direction = q.mean(dim=(1, 2), keepdim=True)[:, :, 0]  # (B, 1, d): shared by all queries
+        k[:, :, 0] = 3.0 * math.sqrt(d) * direction / direction.norm(dim=-1, keepdim=True)
+        q = q + 2.0 * direction / direction.norm(dim=-1, keepdim=True)
+    return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v, do))
+
+
+def exact_attention(q, k, v, causal=True, softmax_scale=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    """Float64 attention, materialized (small problems only): the ground truth of tests and diagnostics.
+
+    Same conventions as `deltamatch_attention` (bottom-right causal, window, varlen); rows that see no key
+    give 0.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if cu_seqlens_q is None:
+        segments = [(0, q.shape[2], 0, k.shape[2])]
+    else:
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        segments = [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
+    outs = []
+    for q0, q1, k0, k1 in segments:
+        n, m = q1 - q0, k1 - k0
+        s = (q[:, :, q0:q1] @ k[:, :, k0:k1].transpose(-1, -2)) * scale
+        pos = torch.arange(n, device=q.device)[:, None] + (m - n)
+        cols = torch.arange(m, device=q.device)[None, :]
+        keep = torch.ones(n, m, dtype=torch.bool, device=q.device)
+        if causal:
+            keep &= cols <= pos
+            if window is not None:
+                keep &= cols > pos - window
+        p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+        outs.append(torch.nan_to_num(p, nan=0.0) @ v[:, :, k0:k1])
+    return torch.cat(outs, dim=2)
+
+
+def _rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def run(profile="gaussian", *, batch=1, heads=2, kv_heads=None, n=1024, d=64, seed=0, causal=True,
+        block=128, device="cpu", backend="auto") -> list[Row]:
+    q, k, v, do = make_inputs(profile, batch, heads, kv_heads, n, d, seed, device=device)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    exact = exact_attention(*leaves, causal=causal)
+    exact.backward(do.double())
+    ref_grads = [t.grad for t in leaves]
+    rows = []
+    for precision, delta in MODES:
+        config = DeltaMatchConfig(precision=precision, delta=delta, block=block, backend=backend)
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = deltamatch_attention(qq, kk, vv, causal=causal, config=config)
+        out.backward(do)
+        # The invariant is measured on dS before quantization, which the reference exposes.
+        ref_cfg = config.replace(backend="reference")
+        fwd = reference.forward(q, k, v, causal=causal, softmax_scale=1 / math.sqrt(d), window=None,
+                                cu_seqlens_q=None, cu_seqlens_k=None, config=ref_cfg)
+        *_, row_sums, row_abs = reference.backward(
+            do, q, k, v, fwd[0], fwd[1], *fwd[2:], causal=causal, softmax_scale=1 / math.sqrt(d), window=None,
+            cu_seqlens_q=None, cu_seqlens_k=None, config=ref_cfg, return_row_sums=True)
+        drift = (kk.grad.double().sum(dim=2).norm() / kk.grad.double().norm().clamp_min(1e-300)).item()
+        rows.append(Row(
+            mode=f"{precision}-{delta}" if precision == "fp8" else precision,
+            row_sum_residual=(row_sums.norm() / row_abs.norm().clamp_min(1e-30)).item(),
+            err_out=_rel(out.detach(), exact.detach()),
+            err_dq=_rel(qq.grad, ref_grads[0]), err_dk=_rel(kk.grad, ref_grads[1]), err_dv=_rel(vv.grad, ref_grads[2]),
+            dk_drift=drift,
+        ))
+    exact_drift = (ref_grads[1].sum(dim=2).norm() / ref_grads[1].norm()).item()
+    rows.append(Row("exact (fp64)", 0.0, 0.0, 0.0, 0.0, 0.0, exact_drift))
+    return rows
+
+
+def format_table(profile: str, rows: list[Row]) -> str:
+    head = (f"profile={profile}\n"
+            f"{'mode':<14} {'dS row-sum resid':>16} {'out err':>9} {'dQ err':>9} {'dK err':>9} {'dV err':>9} "
+            f"{'sum_j dK_j':>11}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r.mode:<14} {r.row_sum_residual:>16.2e} {r.err_out:>9.2e} {r.err_dq:>9.2e} {r.err_dk:>9.2e} "
+                     f"{r.err_dv:>9.2e} {r.dk_drift:>11.2e}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Thin glue between hf_deltamatch and other libraries."""

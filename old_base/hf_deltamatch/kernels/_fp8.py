@@ -1,0 +1,75 @@
+"""FP8 helpers shared by the kernels: the tile scale and a cast that is exact under the interpreter too.
+
+On the GPU `x.to(tl.float8e4nv)` is the hardware cvt (round-to-nearest-even, we clamp first so no
+saturation is needed). Triton's interpreter rounds fp32->fp8 wrongly (a few % of values land one ulp
+off), so when interpreting we first round in software to the fp8 grid (values stay fp32, exactly
+representable), after which the interpreter's cast is exact.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+@triton.jit
+def _round_to_fp8_grid(x, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """Round fp32 x (|x| <= fmax) to the nearest-even fp8 value, result in fp32.
+
+    ulp = 2^(max(e, EMIN) - MBITS); adding and subtracting 1.5 * 2^23 * ulp makes the fp32 adder do the
+    round-to-nearest-even at that ulp (|x| < 16 ulp, so x + c keeps c's exponent).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    ulp = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    c = ulp * 12582912.0
+    return (x + c) - c
+
+
+@triton.jit
+def to_fp8(x, E5M2: tl.constexpr, INTERP: tl.constexpr):
+    """Saturating RNE cast of fp32 to e4m3 (E5M2=False) or e5m2.
+
+    On the GPU Triton emits `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (checked in the PTX for sm_90), which
+    already saturates: clamping there would cost two instructions per element in every inner loop.
+    """
+    if E5M2:
+        if INTERP:
+            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -57344.0), 57344.0), 2, -14)
+        return x.to(tl.float8e5)
+    else:
+        if INTERP:
+            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), 3, -6)
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def tile_scale(amax, FMAX: tl.constexpr, POW2: tl.constexpr):
+    """scale = amax / fmax (optionally rounded up to a power of two, exactly); 1 for an all-zero tile."""
+    scale = amax / FMAX
+    if POW2:
+        # 2^ceil(log2(s)) by bits: bump the exponent unless the mantissa is already zero.
+        bits = scale.to(tl.int32, bitcast=True)
+        scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
+def _round_to_bf16_grid(x):
+    """fp32 -> nearest-even bf16 value, still fp32 (the interpreter's own bf16 cast truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_to(x, dtype: tl.constexpr, INTERP: tl.constexpr):
+    """x.to(dtype) with round-to-nearest-even also under the interpreter (bf16 there truncates)."""
+    if INTERP and dtype == tl.bfloat16:
+        return _round_to_bf16_grid(x).to(dtype)
+    return x.to(dtype)

@@ -1,0 +1,301 @@
+"""dK/dV on Hopper, written in Gluon: one TMA warp feeding two (D=128) or three (D=64) independent MMA warpgroups.
+
+The same contract and arithmetic as `_bwd_dkdv_kernel` (backward.py) with PART 0, DSS_IN, LSE2_IN and
+P_SHIFT = 8, for its common case only (launch._dkdv_hopper says when): fp8 e4m3, Dqk = Dv in (64, 128), no
+window, N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its sequences
+padded to multiples of 128 rows by kernels.segments, LSE2, delta and the dS scales where the dQ kernel put them;
+dK, dV to the packed rows).
+
+Why a second dK/dV kernel: Triton compiles `_bwd_dkdv_kernel` into one stream in which both warpgroups meet
+at CTA barriers for every query tile and ptxas serializes its wgmmas (NOTES.md, lever 4); the softmax of one
+tile then never overlaps an MMA. Here
+  - a 1-warp partition (`_loader`) loads k, v once and then streams q8, q8^T, dO8, dO8^T tiles through a ring
+    of STAGES buffers with TMA, paced by mbarriers (ready: bytes landed; empty: both consumers done);
+  - two (three) 4-warp partitions (`_mma_partition`) each own 64 of the program's 128 (192) keys and never wait
+    for each other, so one's exp2/convert work runs while the other's wgmmas occupy the tensor cores (with three,
+    a warpgroup's causal query tiles start at its own diagonal: the ones before it releases unread);
+  - inside a warpgroup the wgmmas are asynchronous with explicit waits: dP^T's MMA runs under exp2(S^T) and
+    dV's under dS; dK's is waited for at the end of the tile (left in flight into the next tile, ptxas
+    serializes every wgmma of the kernel), when the other warpgroup may have MMAs to issue.
+Per query tile of 64 rows (stage s), in one warpgroup (keys kb .. kb+63):
+    S^T = k8[kb] q8^T,  dP^T = v8[kb] dO8^T                  (async, fresh accumulators)
+    P^T * 256 = exp2(S^T * sk sq scale log2e - LSE2)         (LSE2 from the dQ kernel, 8 subtracted)
+    dV = dV * (c_dv / cv) + P8^T dO8                         (cv = sdo / 256: dv is kept in units of cv)
+    dS^T = P^T (dP^T * sv sdo - delta),  dK = dK * (c_dk / ck) + (dS^T / sds)8 q8   (ck = sds * sq)
+with sds the dQ kernel's scale of the tile (DSS): the values and roundings of `_bwd_dkdv_kernel`.
+Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dkdv_kernel` (tests/test_kernels_gpu.py).
+
+dQ is not added up here (FlashAttention's way) but in the dQ kernel's second pass: the fp32 reduce-adds of dQ
+partials into global memory made this kernel slower than that pass (NOTES.md, session 10).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from ._gluon import (
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _ring_barriers, _row_desc,
+    _segment, fp8_a_layout, fp8_operand, mma_layout, tma_load,
+)
+
+
+@gluon.jit
+def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
+            qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q,
+            N, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, WGS: gl.constexpr):
+    if WGS == 2:
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+        tma_load(k_desc, [kv_row, 0], kv_bar, k_smem)
+        tma_load(v_desc, [kv_row, 0], kv_bar, v_smem)
+    else:  # a TMA box's rows are a power of two: one box per warpgroup
+        mbarrier.expect(kv_bar, 2 * WGS * k_desc.block_type.nbytes)
+        for w in gl.static_range(WGS):
+            tma_load(k_desc, [kv_row + w * 64, 0], kv_bar, k_smem.index(w))
+            tma_load(v_desc, [kv_row + w * 64, 0], kv_bar, v_smem.index(w))
+    for t in range(GROUPS * n_q):
+        g = t // n_q
+        m0 = lo + (t - g * n_q) * BLOCK_M
+        s = t % STAGES
+        # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 4 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+        row = q_row0 + g * N + m0
+        col_row = t_row0 + g * HEAD_D
+        tma_load(q_desc, [row, 0], bar, q_smem.index(s))
+        tma_load(do_desc, [row, 0], bar, do_smem.index(s))
+        tma_load(qt_desc, [col_row, m0], bar, qt_smem.index(s))
+        tma_load(dot_desc, [col_row, m0], bar, dot_smem.index(s))
+        tma_load(lse_desc, [row], bar, lse_smem.index(s))
+        tma_load(delta_desc, [row], bar, delta_smem.index(s))
+
+
+@gluon.jit
+def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
+          bh, m0, N, dss_tq, dss_tk, dss_col, s_acc, dp_acc, dk, dv, c_dk, c_dv, masked, CAUSAL: gl.constexpr,
+          FOLD: gl.constexpr):
+    """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal."""
+    s_layout: gl.constexpr = s_acc.type.layout
+    a_layout: gl.constexpr = fp8_a_layout(dk.type.layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+    dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+    row = bh * N + m0
+    sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
+    sdo_t = gl.load(SDO + row)
+    sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
+    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
+    # LSE2 and delta came with the tile (TMA) and are read where needed: per-thread loads of them, held
+    # across the MMA waits, cost 32 registers and spills (dK/dV 1.83 -> 1.55 ms, H200 run 0023)
+    lse2 = lse_smem.index(s).load(col_layout)
+    # P^T * 256 (the static scale is in LSE2); the mask on P, not on S^T, so that the scale and LSE2 fuse
+    # into one FFMA per score on every tile
+    p256 = gl.exp2(s_acc * (col_f * sq_t) - lse2[None, :])
+    if CAUSAL:
+        if masked:
+            cols = m0 + gl.arange(0, BLOCK_M, col_layout)
+            p256 = gl.where(keys[:, None] <= cols[None, :], p256, 0.0)
+    # every tile, though odd tiles share their dO quantization tile with the one before: skipping their
+    # rescale made dV differ from _bwd_dkdv_kernel's by 1e-3 and the kernel 12 % slower at D=64 (run 0156)
+    cv = sdo_t * (1.0 / 256.0)
+    dv = dv * (c_dv / cv)
+    c_dv = cv
+    p8 = fp8_operand(p256, a_layout)
+    dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+    dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
+    ck = sds * sq_t
+    dk = dk * (c_dk / ck)
+    c_dk = ck
+    r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
+    delta = delta_smem.index(s).load(col_layout)
+    if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
+        ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
+    else:
+        ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
+    ds8 = fp8_operand(ds_r, a_layout)
+    dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+    # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
+    # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
+    # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    return s_acc, dp_acc, dk, dv, c_dk, c_dv
+
+
+@gluon.jit
+def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
+                   SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
+                   key_end, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr):
+    s_layout: gl.constexpr = mma_layout(BLOCK_M)
+    d_layout: gl.constexpr = mma_layout(HEAD_D)
+    kb = n0 + WG * 64  # this warpgroup's first key
+    if WGS == 2:
+        k_sub = k_smem.slice(WG * 64, 64)
+        v_sub = v_smem.slice(WG * 64, 64)
+        dss_col = n0 // BLOCK_N
+    else:
+        k_sub = k_smem.index(WG)
+        v_sub = v_smem.index(WG)
+        dss_col = kb // BLOCK_N
+    keys = kb + gl.arange(0, 64, gl.SliceLayout(1, s_layout))
+    # S^T and dP^T are MMAs into fresh accumulators (use_acc=False) in registers carried from tile to tile, so
+    # that no zero fill is needed per tile
+    s_acc = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+    dp_acc = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([64, HEAD_D], gl.float32, d_layout)
+    dv = gl.zeros([64, HEAD_D], gl.float32, d_layout)
+    c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of the last tile's scales (c_dk, c_dv)
+    c_dv = softmax_scale * 0.0 + 1.0
+    # three warpgroups (192 keys): warpgroup WG's causal query tiles start WG tiles after the program's (the ones
+    # before lie above its diagonal, where the dQ kernel wrote no dS scale: skipped, not masked), and the last
+    # program's warpgroups past the keys (padded to a multiple of 128) compute nothing
+    first = 0
+    if WGS != 2:
+        if CAUSAL:
+            first = WG
+        first = gl.where(kb < key_end, first, n_q)
+    mbarrier.wait(kv_bar, 0)
+    for t in range(GROUPS * n_q):
+        if GROUPS == 1:  # no integer division per tile (a dozen instructions and a MUFU.RCP)
+            g = 0
+            i = t
+        else:
+            g = t // n_q
+            i = t - g * n_q
+        m0 = lo + i * BLOCK_M
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        if WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
+            s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
+                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, s_acc, dp_acc, dk, dv, c_dk, c_dv, i < 2, CAUSAL, FOLD)
+        else:
+            if i >= first:  # the diagonal tile is this warpgroup's first
+                s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+                    k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys,
+                    col_f, dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+                    i == first, CAUSAL, FOLD)
+        mbarrier.arrive(empty.index(s))  # this stage's tiles are read
+    dk = dk * (c_dk * softmax_scale)
+    dv = dv * c_dv
+    keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
+    dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
+    offs = (out_row + keys_out).to(gl.int64)[:, None] * HEAD_D + dcols[None, :]
+    if VARLEN or WGS != 2:  # the sequence's keys only (key_end: its end in the padded layout)
+        kmask = (keys_out < key_end)[:, None]
+        gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=kmask)
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=kmask)
+    else:
+        gl.store(DK + offs, dk.to(DK.dtype.element_ty))
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+
+
+@gluon.jit
+def _bwd_dkdv_hopper_kernel(
+    k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
+    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
+    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
+    VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr,
+):
+    # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
+    # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
+    base, length, start = _segment(CU, PCU, N, VARLEN)
+    # the heaviest (first, under causal) key tiles first, as backward._bwd_dkdv_kernel
+    pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hkv + hk
+    if VARLEN:
+        if pid_n * (WGS * 64) >= length:  # a key block past this sequence's end (the grid covers the longest)
+            return
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    n0 = base + pid_n * (WGS * 64)
+    kv_row = pid_bh * N + n0  # rows of the (B*Hkv*M, D) views of k8, v8, dK, dV
+    bh0 = b * Hq + hk * GROUPS  # the group's first query head
+    lo = n0 * 0
+    if CAUSAL:
+        lo = n0
+    if VARLEN:  # causal: the query tiles from the diagonal to the sequence's last (padded rows have P = 0)
+        n_q = (base + (length + BLOCK_M - 1) // BLOCK_M * BLOCK_M - lo) // BLOCK_M
+        out_row = pid_bh * N_OUT + start - base  # + a padded key row: its packed row in dK, dV
+    else:
+        n_q = (N - lo) // BLOCK_M
+        out_row = pid_bh * N
+    col_f = softmax_scale * 1.4426950408889634 * gl.load(SK + kv_row)
+    dp_f = gl.load(SV + kv_row)
+
+    if WGS == 2:
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    else:
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [WGS] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [WGS] + v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
+    dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    ready, empty = _ring_barriers(STAGES, WGS)
+
+    if WGS == 2:
+        gl.warp_specialize([
+            (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
+                              ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
+                              dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              WGS)),
+            (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
+                              ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
+                              dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              WGS)),
+            (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
+                       q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
+                       bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
+        ], [4, 1], [REGS, 24])
+    else:
+        # 192 keys span two 128-key quantization tiles (each warpgroup reads its own scales), and the last block's
+        # may lie past the keys (padded to a multiple of 128: a row that exists for the scales)
+        last = pid_bh * N + base + (length + BLOCK_N - 1) // BLOCK_N * BLOCK_N - 1
+        row1 = gl.minimum(kv_row + 64, last)
+        row2 = gl.minimum(kv_row + 128, last)
+        col_f1 = softmax_scale * 1.4426950408889634 * gl.load(SK + row1)
+        col_f2 = softmax_scale * 1.4426950408889634 * gl.load(SK + row2)
+        dp_f1 = gl.load(SV + row1)
+        dp_f2 = gl.load(SV + row2)
+        gl.warp_specialize([
+            (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
+                              ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
+                              dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              WGS)),
+            (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
+                              ready, empty, SQ, SDO, DSS, DK, DV, col_f1, dp_f1, softmax_scale, bh0, n0, lo, n_q, N,
+                              dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              WGS)),
+            (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
+                              ready, empty, SQ, SDO, DSS, DK, DV, col_f2, dp_f2, softmax_scale, bh0, n0, lo, n_q, N,
+                              dss_tq, dss_tk, out_row, base + length, 2, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              WGS)),
+            (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
+                       q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
+                       bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
+        ], [4, 4, 1], [REGS, REGS, 24])
+
+
+def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, segments=None):
+    """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
+    64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
+    registers). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded
+    layout."""
+    B, Hq, N, D = q8.shape
+    Hkv = k8.shape[1]
+    cu, pcu = (segments.cu, segments.pcu) if segments is not None else (sq, sq)  # unread without VARLEN
+    kbox = KEYS_PER_PROGRAM if warpgroups == 2 else 64  # three warpgroups: a box each
+    _bwd_dkdv_hopper_kernel[grid](
+        _desc(k8, [kbox, D]), _desc(v8, [kbox, D]), _desc(q8, [QUERIES_PER_TILE, D]),
+        _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
+        _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
+        Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
+        WGS=warpgroups, REGS=regs, num_warps=4,
+    )

@@ -1,0 +1,207 @@
+"""The correction pass and dQ on Hopper, written in Gluon: one TMA warp feeding two independent MMA warpgroups.
+
+The same contract and arithmetic as `_bwd_dq_kernel` (backward.py) with 64-row blocks (ONE_TILE), matching
+delta, LSE2_OUT (P_SHIFT 8) and DSS_OUT, for its common case only (launch._dq_hopper says when): fp8 e4m3,
+Dqk = Dv in (64, 128), no window, N = M a multiple of 128, causal or full, any GQA group, or a causal packed
+batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, as LSE, delta, LSE2 and the dS
+scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows).
+
+Why: `_bwd_dq_kernel` at D=128 takes 116 KB of shared memory, so one warpgroup runs per SM and nothing
+overlaps its softmax. Here a program covers 128 queries: the loader (1 warp) streams each key tile once for
+both MMA warpgroups (64 queries each, so each owns its dS tiles and their scales), which never wait for each
+other. Per key tile of 128 keys (stage s), in one warpgroup (rows r0 .. r0+63):
+  pass 1 (the correction pass): S = q8 k8^T, dP = dO8 v8^T (async); P = exp2(S * sq sk scale log2e - LSE2);
+          delta += rowsum(P * dP) * sdo sv  (SCALE_AFTER_SUM; else rowsum(P * dP * sdo sv))
+  pass 2: S, dP, P again; dS = P (dP sdo sv - delta); sds = tile_scale(absmax dS), stored for the dK/dV kernel;
+          dQ = dQ * (c / c') + (dS / sds)8 k8   (c' = sds * sk: dq is kept in units of the last tile's c')
+Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dq_kernel` (tests/test_kernels_gpu.py).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from ._gluon import (
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, _segment,
+    fp8_a_layout, fp8_operand, mma_layout, tile_scale, tma_load,
+)
+
+
+@gluon.jit
+def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
+            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr):
+    mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
+    tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
+    tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
+    for u in range(2 * n_k):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
+        j = u % n_k
+        s = u % STAGES
+        # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
+        mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        if u < n_k:
+            mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(bar, 3 * k_desc.block_type.nbytes)
+        tma_load(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
+        tma_load(v_desc, [kv_row + j * BLOCK_N, 0], bar, v_smem.index(s))
+        if u >= n_k:
+            tma_load(kt_desc, [kt_row, kt_col + j * BLOCK_N], bar, kt_smem.index(s))
+
+
+@gluon.jit
+def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty,
+                   SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
+                   dss_tk, dss_col0, out0, length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
+                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr):
+    s_layout: gl.constexpr = mma_layout(BLOCK_N)
+    d_layout: gl.constexpr = mma_layout(HEAD_D)
+    a_layout: gl.constexpr = fp8_a_layout(d_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    q_sub = q_smem.slice(WG * 64, 64)
+    do_sub = do_smem.slice(WG * 64, 64)
+    rows = r0 + gl.arange(0, BLOCK_M, row_layout)  # this warpgroup's queries (sequence positions)
+    lse = gl.load(LSE + row0 + rows)
+    # -inf LSE (no visible key): +inf makes P = exp2(S - inf) = 0 without NaN
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    row_f = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + r0)  # one quantization tile: 64 rows
+    dp_f = gl.load(SDO + row0 + r0)
+    s_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # fresh accumulators (use_acc=False) carried
+    dp_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # from tile to tile: no zero fill per tile
+    delta = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    mbarrier.wait(qo_bar, 0)
+    for u in range(n_k):  # pass 1: delta = rowsum(P * dP), the correction pass
+        s = u % STAGES
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+        s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+        dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+        s_f = row_f * gl.load(SK + kv_row + u * BLOCK_N)  # per key tile
+        dpf = dp_f * gl.load(SV + kv_row + u * BLOCK_N)
+        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S done; dP's MMA runs under the exponentials
+        # the mask on P, not on S: the scale and LSE2 then fuse into one FFMA per score on every tile
+        p = gl.exp2(s_acc * s_f - lse2[:, None])
+        if CAUSAL:
+            if u == n_k - 1:  # the program's diagonal key tile (N = M: top-left = bottom-right)
+                keys = u * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+                p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
+        dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
+        mbarrier.arrive(empty.index(s))
+        if SCALE_AFTER_SUM:  # the tile's dP scale on its row sums, not on each dP: one FMUL per score less
+            delta += gl.sum(p * dp_acc, 1) * dpf
+        else:
+            delta += gl.sum(p * (dp_acc * dpf), 1)
+    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
+    rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
+    ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile)
+    for j in range(n_k):  # pass 2: dS and dQ
+        u = n_k + j
+        s = u % STAGES
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+        s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+        dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+        sk_t = gl.load(SK + kv_row + j * BLOCK_N)
+        s_f = row_f * sk_t
+        dpf = dp_f * gl.load(SV + kv_row + j * BLOCK_N)
+        s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
+        p = gl.exp2(s_acc * s_f - lse2[:, None])
+        if CAUSAL:
+            if j == n_k - 1:
+                keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+                p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
+        dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
+        ds = p * (dp_acc * dpf - delta[:, None])
+        if ROW_SUMS:
+            rs += gl.sum(ds, 1)
+            ra += gl.sum(gl.abs(ds), 1)
+        sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
+        gl.store(DSS + dss_row * dss_tk + dss_col0 + j, sds)  # this warpgroup's tile, for the dK/dV kernel
+        c = sds * sk_t
+        dq = dq * (c_dq / c)
+        c_dq = c
+        # multiply by 1/sds: fp32 `/` is a MUFU op per element, and exp2 keeps the MUFU busy
+        ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in k_order
+        dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
+        # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        mbarrier.arrive(empty.index(s))
+    dq = dq * (c_dq * softmax_scale)
+    drows = r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, d_layout))
+    dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
+    dptrs = DQ + (out0 + drows).to(gl.int64)[:, None] * HEAD_D + dcols[None, :]
+    if VARLEN:  # the sequence's rows only
+        gl.store(dptrs, dq.to(DQ.dtype.element_ty), mask=(drows < length)[:, None])
+    else:
+        gl.store(dptrs, dq.to(DQ.dtype.element_ty))
+    gl.store(DELTA + row0 + rows, delta)
+    gl.store(LSE2 + row0 + rows, lse2 - 8.0)  # for the dK/dV kernel: its exp2 then yields P * 256
+    if ROW_SUMS:
+        gl.store(RS + row0 + rows, rs)
+        gl.store(RA + row0 + rows, ra)
+
+
+@gluon.jit
+def _bwd_dq_hopper_kernel(
+    q_desc, do_desc, k_desc, v_desc, kt_desc, SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA,
+    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
+    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
+    VARLEN: gl.constexpr,
+):
+    # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
+    base, length, start = _segment(CU, PCU, N, VARLEN)
+    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL)
+    if VARLEN:
+        if q0 >= length:  # a block past this sequence's end (the grid covers the longest)
+            return
+    row0 = pid_bh * N + base  # the sequence's rows in the (B*Hq*N,) row arrays and the (B*Hq*N, D) views of q8, dO8
+    kv_row = kvh * N + base  # the KV head's rows in the (B*Hkv*M, D) views of k8, v8 and in sk, sv
+    if VARLEN:
+        out0 = pid_bh * N_OUT + start  # its rows in dQ
+    else:
+        out0 = row0
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    kt_smem = gl.allocate_shared_memory(kt_desc.dtype, [STAGES] + kt_desc.block_type.shape, kt_desc.layout)
+    qo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(qo_bar, count=1)
+    ready, empty = _ring_barriers(STAGES)
+
+    # warpgroup 0's dS tile row and the first key tile's column, both in the padded layout for VARLEN (the dK/dV
+    # kernel indexes them so)
+    dss_row = pid_bh * dss_tq + (base + q0) // BLOCK_M
+    dss_col0 = base // BLOCK_N
+    gl.warp_specialize([
+        (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
+                          DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
+                          dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS,
+                          VARLEN)),
+        (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
+                          DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
+                          dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
+                          ROW_SUMS, VARLEN)),
+        (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
+                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D)),
+    ], [4, 1], [240, 24])
+
+
+def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
+              dss_tq, dss_tk, grid, n_tiles, head_group, stages, scale_after_sum, fmax, pow2, row_sums,
+              segments=None):
+    """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
+    the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
+    tensor but dq in its padded layout."""
+    B, Hq, N, D = q8.shape
+    Hkv = k8.shape[1]
+    cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
+    _bwd_dq_hopper_kernel[grid](
+        _desc(q8, [QUERIES_PER_PROGRAM, D]), _desc(do8, [QUERIES_PER_PROGRAM, D]), _desc(k8, [KEYS_PER_PROGRAM, D]),
+        _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
+        dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
+        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, num_warps=4,
+    )

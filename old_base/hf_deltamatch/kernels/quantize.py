@@ -1,0 +1,261 @@
+"""Per-tile FP8 quantization: one pass over the input, writing the layouts the matmuls want.
+
+A tile is BLOCK_T consecutive tokens of one (batch, head) x the whole head dim, counted from the start of
+its sequence (varlen: from cu_seqlens[s]). One program per tile: load it, amax, scale, cast, and write
+  - y  (B, H, N, D) fp8, the row-major copy (D contiguous), and/or
+  - yt a (B, H, N, D) view of (B, H, D, N) storage (tokens contiguous): the K-major operand of the FP8
+    matmuls that contract over tokens (P @ V in the forward, P^T @ dO in the backward),
+  - the per-token fp32 scale (B, H, N): every token carries its tile's scale.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._fp8 import FP8_MAX, INTERPRET, tile_scale, to_fp8
+
+FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+# Whether _quantize_kernel writes the token-major copy itself (one pass over the input). Triton 3.9 compiles that
+# second store wrongly for sm_90 on dense batches (the forward's v8t came out as garbage or NaN on the H200 while
+# the row-major store, varlen batches and _token_major_kernel were right: GPU tests and probe, runs 2016 and 2021),
+# so with any Triton but the 3.6 that the GPU tests passed with, the copy is made by _token_major_kernel instead
+# (GPU tests 22/22 with Triton 3.9 then, run 2027; one more pass over the fp8 tensor, ~0.02 ms per tensor at
+# B=2, H=16, N=8192, D=128).
+FUSED_TOKEN_MAJOR = triton.__version__.startswith("3.6.")
+
+
+@triton.jit
+def _k_order_source(k):
+    """The token at position k of token_major(k_order=True): the inverse of k_order()."""
+    w = k & 31
+    return (k - w) + ((w & 17) | (((w >> 1) & 1) << 3) | (((w >> 2) & 3) << 1))
+
+
+@triton.jit
+def _quantize_kernel(
+    X, Y, YT, S, CU, PY, PYT, PS,
+    sxb, sxh, sxn, sxd,
+    syb, syh, syn, syd,
+    stb, sth, stn, std,
+    H, N, NPAD,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
+    WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr, VARLEN: tl.constexpr, INTERP: tl.constexpr,
+    K_ORDER: tl.constexpr = False, TILES: tl.constexpr = False, WRITE_S: tl.constexpr = True,
+    WRITE_PY: tl.constexpr = False, WRITE_PYT: tl.constexpr = False,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    if TILES:  # a packed batch's tiles listed (CU: first rows, then ends): no program past a sequence's end
+        first = tl.load(CU + pid_t)
+        end = tl.load(CU + tl.num_programs(0) + pid_t)
+    elif VARLEN:
+        first = tl.load(CU + pid_s) + pid_t * BLOCK_T
+        end = tl.load(CU + pid_s + 1)
+    else:
+        first = pid_t * BLOCK_T
+        end = N
+    i = tl.arange(0, BLOCK_T)
+    rows = first.to(tl.int64) + i  # packed varlen batches: token * stride can pass 2^31
+    cols = tl.arange(0, BLOCK_D)
+    rel = i
+    if K_ORDER:  # the tile's rows in token_major(k_order=True)'s order (the amax does not care): the token-major
+        rel = _k_order_source(i)  # copies are stored in order, the row-major ones at the rows they came from
+    src = first.to(tl.int64) + rel
+    mask = (src[:, None] < end) & (cols[None, :] < D)
+    x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
+                mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = tile_scale(amax, FMAX, POW2)
+    y = to_fp8(x / scale, E5M2, INTERP)
+    if WRITE_Y:
+        tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + src[:, None] * syn + cols[None, :] * syd,
+                 y, mask=mask)
+    if WRITE_YT:
+        tl.store(YT + b.to(tl.int64) * stb + h.to(tl.int64) * sth + rows[:, None] * stn + cols[None, :] * std,
+                 y, mask=(rows[:, None] < end) & (cols[None, :] < D))
+    if WRITE_S:
+        tl.store(S + pid_bh.to(tl.int64) * N + rows, tl.zeros([BLOCK_T], tl.float32) + scale, mask=rows < end)
+    if WRITE_PY or WRITE_PYT:  # segments.py's padded layout (TILES): tile t is padded rows t * BLOCK_T ..; its
+        # rows past the sequence get zeros (x is 0 there) and scale 1, so every padded row is written
+        prow = pid_t.to(tl.int64) * BLOCK_T
+        cmask = cols[None, :] < D
+        if WRITE_PY:  # (B, H, NPAD, D) contiguous
+            tl.store(PY + (pid_bh.to(tl.int64) * NPAD + prow + rel[:, None]) * D + cols[None, :], y, mask=cmask)
+        if WRITE_PYT:  # (B, H, D, NPAD) contiguous: tokens contiguous
+            tl.store(PYT + (pid_bh.to(tl.int64) * D + cols[None, :]) * NPAD + prow + i[:, None], y, mask=cmask)
+        tl.store(PS + pid_bh.to(tl.int64) * NPAD + prow + i, tl.where(rows < end, scale, 1.0))
+
+
+def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=None, row_major=True,
+             transposed=False, k_order=False, segments=None):
+    """Quantize x (B, H, N, D) per `block`-token tile. Returns (y or None, yt or None, scale (B, H, N)).
+
+    yt is a (B, H, N, D) view of a (B, H, D, N16) buffer (tokens contiguous, N rounded up to 16), written by the
+    kernel itself if FUSED_TOKEN_MAJOR, else copied from y by token_major(); k_order: its tokens in
+    token_major(k_order=True)'s order (the Gluon forward's V).
+    Varlen: tokens outside every sequence get zeros and scale 1 (docs/numerics.md; TMA tiles read them).
+    segments: the packed batch's segments.Segments (block 128, cu_seqlens its cu): one program per tile of its
+    sequences (Segments.tiles) instead of the longest sequence's tiles x the sequences, and only the rows outside
+    every sequence filled beforehand.
+    """
+    if k_order and (cu_seqlens is not None or x.shape[2] % 32):
+        raise ValueError("quantize(k_order=True) permutes groups of 32 tokens: no varlen, N a multiple of 32.")
+    if transposed and not FUSED_TOKEN_MAJOR:
+        y, _, scale = quantize(x, block, fmt, rounding, cu_seqlens, max_len, row_major=True, segments=segments)
+        return (y if row_major else None), token_major(y, k_order), scale
+    B, H, N, D = x.shape
+    dt = FP8_TORCH[fmt]
+    tiled = segments is not None and cu_seqlens is not None
+    # varlen: zeros and scale 1 outside the sequences; with the tile list the kernel writes every row inside them
+    fill = cu_seqlens is not None and not tiled
+    y = (torch.zeros if fill else torch.empty)((B, H, N, D), dtype=dt, device=x.device) if row_major else None
+    yt = None
+    if transposed:  # token stride padded to 16 bytes, as a TMA descriptor over (B*H*D, N) needs
+        n16 = -(-N // 16) * 16
+        yt = (torch.zeros if fill else torch.empty)((B, H, D, n16), dtype=dt, device=x.device)[..., :N]
+        yt = yt.transpose(-1, -2)
+    scale = (torch.ones if fill else torch.empty)((B, H, N), dtype=torch.float32, device=x.device)
+    if tiled:
+        for t, value in ((y, 0.0), (yt, 0.0), (scale, 1.0)):
+            if t is not None:
+                _fill_outside(t, segments, value)
+    nseq = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
+    if N == 0 or B * H == 0 or nseq == 0:
+        return y, yt, scale
+    if tiled:
+        grid = (segments.tiles.numel() // 2, B * H, 1)
+    else:
+        grid = (triton.cdiv(max(max_len if cu_seqlens is not None else N, 1), block), B * H, nseq)
+    _launch(x, grid, block, fmt, rounding, y=y, yt=yt, scale=scale, cu=segments.tiles if tiled else cu_seqlens,
+            varlen=cu_seqlens is not None, tiles=tiled, k_order=k_order)
+    return y, yt, scale
+
+
+def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_major=True, token_major=False):
+    """Quantize a packed batch x (1, H, N, D) per 128-token tile of its sequences straight into segments.py's
+    padded layout, where the Gluon kernels read it: the same bytes and scales as quantize(x, 128,
+    cu_seqlens=segments.cu) followed by segments.pad (row_major) or token_major(k_order=True, src=segments.src)
+    (token_major), without a second pass over the operand. Returns (y, scale), the packed tensors (the ones the
+    backward keeps; (None, None) unless `packed`), and (py, pyt, ps): the padded row-major (1, H, npad, D) or
+    None, token-major (a (1, H, npad, D) view of (1, H, D, npad) storage, tokens in k_order) or None, and the
+    per-row scales (1, H, npad), 1 in the rows of no token."""
+    B, H, N, D = x.shape
+    dt, npad = FP8_TORCH[fmt], segments.npad
+    if segments.tiles.numel() * 64 != npad:
+        raise ValueError("quantize_padded needs segments.padded_layout's 128-token tiles")
+    if not (packed or row_major or token_major):
+        raise ValueError("quantize_padded: ask for at least one of packed, row_major, token_major")
+    y = scale = None
+    if packed:
+        y = torch.empty((B, H, N, D), dtype=dt, device=x.device)
+        scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
+        _fill_outside(y, segments, 0.0)
+        _fill_outside(scale, segments, 1.0)
+    py = torch.empty((B, H, npad, D), dtype=dt, device=x.device) if row_major else None
+    pyt = torch.empty((B, H, D, npad), dtype=dt, device=x.device).transpose(-1, -2) if token_major else None
+    ps = torch.empty((B, H, npad), dtype=torch.float32, device=x.device)
+    if npad and B * H:
+        _launch(x, (npad // 128, B * H, 1), 128, fmt, rounding, y=y, scale=scale, cu=segments.tiles, varlen=True,
+                tiles=True, k_order=token_major, py=py, pyt=pyt, ps=ps)
+    return (y, scale), (py, pyt, ps)
+
+
+def _fill_outside(t, segments, value):
+    """Fill the rows of t (B, H, N, ...) before the first sequence and from the last one's end on."""
+    t[:, :, :segments.first] = value
+    t[:, :, segments.last:] = value
+
+
+def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=None, varlen=False, tiles=False,
+            k_order=False, py=None, pyt=None, ps=None):
+    """_quantize_kernel over `grid` writing the outputs given (None: not written; their pointers get a stand-in)."""
+    B, H, N, D = x.shape
+    some = next(t for t in (y, yt, py, pyt) if t is not None)
+    rows = scale if scale is not None else ps
+    zeros = (0, 0, 0, 0)
+    _quantize_kernel[grid](
+        x, some if y is None else y, some if yt is None else yt, rows, cu,
+        some if py is None else py, some if pyt is None else pyt, rows if ps is None else ps,
+        *x.stride(), *(y.stride() if y is not None else zeros), *(yt.stride() if yt is not None else zeros),
+        H, N, ps.shape[2] if ps is not None else 0,
+        D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D),
+        FMAX=FP8_MAX[fmt], E5M2=fmt == "e5m2", POW2=rounding == "pow2",
+        WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=varlen, INTERP=INTERPRET,
+        K_ORDER=bool(k_order), TILES=tiles, WRITE_S=scale is not None, WRITE_PY=py is not None,
+        WRITE_PYT=pyt is not None, num_warps=8 if D > 128 else 4,
+    )
+
+
+@triton.jit
+def _token_major_kernel(X, Y, SRC, sxb, sxh, sxn, sxd, syb, syh, syn, syd, H, N,
+                        D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, K_ORDER: tl.constexpr,
+                        HAS_SRC: tl.constexpr = False):
+    """Copy one (BLOCK_T, D) tile of the N output tokens into Y's layout (by its strides: token-major storage,
+    the layout conversion going through shared memory, or row-major). HAS_SRC: output token t is input token
+    SRC[t], or 0 where SRC[t] < 0 (segments.py's padded layout)."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < N) & (cols[None, :] < D)
+    rows = rows.to(tl.int64)
+    src = rows
+    if K_ORDER:  # position k = 16 g1 + 4 q + 2 g0 + e of each group of 32 takes token 16 g1 + 8 g0 + 2 q + e;
+        # permuted on the load side, whose rows are D contiguous bytes: the token-major store stays coalesced
+        src = _k_order_source(rows)
+    load_mask = mask
+    if HAS_SRC:
+        src = tl.load(SRC + src, mask=rows < N, other=-1).to(tl.int64)
+        load_mask = mask & (src[:, None] >= 0)
+    x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
+                mask=load_mask, other=0.0)
+    tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + rows[:, None] * syn + cols[None, :] * syd,
+             x, mask=mask)
+
+
+def k_order(n, device=None):
+    """The positions token_major(k_order=True) stores tokens 0 .. n-1 at (n a multiple of 32): within each group
+    of 32, the order in which a thread's wgmma accumulator columns are its fp8 A operand's K values
+    (_gluon.fp8_operand)."""
+    c = torch.arange(n, device=device)
+    w = c & 31
+    return (c - w) + ((w & 17) | (((w >> 1) & 3) << 2) | (((w >> 3) & 1) << 1))
+
+
+def token_major(x8, k_order=False, src=None):
+    """(B, H, N, D) fp8 -> the same logical tensor stored (B, H, D, N) (tokens contiguous). k_order: the tokens of
+    each group of 32 stored in the order of k_order() (N a multiple of 32), for the Gluon kernels' B operands.
+    src (int32, one entry per output token): output token t is x8's token src[t], 0 where src[t] < 0 (a packed
+    batch in segments.py's padded layout); then N = len(src)."""
+    return _copy_tokens(x8, k_order, src, token_major_out=True)
+
+
+def pad_tokens(x8, src):
+    """(B, H, N, D) -> (B, H, len(src), D) row-major: output token t is x8's token src[t], 0 where src[t] < 0
+    (segments.py's padded layout)."""
+    return _copy_tokens(x8, False, src, token_major_out=False)
+
+
+def _copy_tokens(x8, k_order, src, token_major_out):
+    B, H, N, D = x8.shape
+    if src is not None:
+        N = src.numel()
+    if k_order and N % 32:
+        raise ValueError(f"token_major(k_order=True) permutes groups of 32 tokens; got N={N}.")
+    if token_major_out:
+        n16 = -(-N // 16) * 16  # token stride padded to 16 bytes for TMA descriptors
+        y = torch.empty((B, H, D, n16), dtype=x8.dtype, device=x8.device)[..., :N].transpose(-1, -2)
+    else:
+        y = torch.empty((B, H, N, D), dtype=x8.dtype, device=x8.device)
+    if y.numel():
+        _token_major_kernel[(triton.cdiv(N, 128), B * H)](
+            x8, y, src if src is not None else y, *x8.stride(), *y.stride(), H, N, D=D, BLOCK_T=128,
+            BLOCK_D=triton.next_power_of_2(D), K_ORDER=bool(k_order), HAS_SRC=src is not None, num_warps=4)
+    return y

@@ -1,0 +1,308 @@
+"""Model construction for the recipes: from a local checkpoint or a config, with the paper's switches.
+
+- attention: `--attn deltamatch_fp8` (+ `--precision`, `--delta`, applied through the library's config),
+  or any transformers backend for baselines;
+- context extension: RoPE base / scaling overrides on the loaded config;
+- memory: activation checkpointing (transformers' own) and a chunked cross-entropy that never materializes
+  the full (tokens x vocab) logits;
+- optional LoRA (peft) and FP8 linear layers (torchao float8 training, CUDA only);
+- hybrids (Gated DeltaNet + attention): without flash-linear-attention, transformers' torch fallback of the
+  gated delta rule cannot keep packed documents apart, so those layers run document by document.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import ConfigError, TrainConfig, load_config_file, parse_lora
+
+log = logging.getLogger(__name__)
+
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention selection
+# ---------------------------------------------------------------------------------------------------------
+
+
+def setup_attention(cfg: TrainConfig) -> str:
+    """Make `cfg.attn` usable and apply --precision/--delta; returns the attn_implementation string."""
+    if cfg.attn != "deltamatch_fp8":
+        return cfg.attn
+    # The env vars are read by the op at every call (and inherited by dataloader workers / launched ranks).
+    os.environ["HF_DELTAMATCH_PRECISION"] = cfg.precision
+    os.environ["HF_DELTAMATCH_DELTA"] = cfg.delta
+    try:
+        import hf_deltamatch
+        import transformers
+    except ImportError as e:  # pragma: no cover - environment problem
+        raise ConfigError(f"--attn deltamatch_fp8 needs hf_deltamatch importable: {e}")
+    if hasattr(hf_deltamatch, "set_default_config") and hasattr(hf_deltamatch, "DeltaMatchConfig"):
+        hf_deltamatch.set_default_config(hf_deltamatch.DeltaMatchConfig(precision=cfg.precision, delta=cfg.delta))
+    if hasattr(hf_deltamatch, "register"):
+        hf_deltamatch.register()
+    if "deltamatch_fp8" not in transformers.AttentionInterface._global_mapping:
+        raise ConfigError("attn_implementation 'deltamatch_fp8' is not registered with transformers in this "
+                          "checkout of hf_deltamatch (the integration is missing); use --attn sdpa meanwhile.")
+    return cfg.attn
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config / model
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _apply_overrides(config, cfg: TrainConfig) -> None:
+    """RoPE base / scaling and max positions (context extension), and training-time flags."""
+    if cfg.rope_theta is not None or cfg.rope_scaling is not None:
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        if cfg.rope_theta is not None:
+            rope["rope_theta"] = float(cfg.rope_theta)
+        if cfg.rope_scaling is not None:
+            rope.update(cfg.rope_scaling)
+        rope.setdefault("rope_type", "default")
+        config.rope_parameters = rope
+        for sub in ("rope_theta",):  # older configs keep it as a top-level attribute too
+            if hasattr(config, sub) and cfg.rope_theta is not None:
+                setattr(config, sub, float(cfg.rope_theta))
+    if cfg.max_position_embeddings is not None:
+        config.max_position_embeddings = cfg.max_position_embeddings
+    elif getattr(config, "max_position_embeddings", None) and config.max_position_embeddings < cfg.seq_len:
+        config.max_position_embeddings = cfg.seq_len
+    config.use_cache = False
+
+
+def build_config(cfg: TrainConfig, tokenizer):
+    from transformers import AutoConfig
+
+    if cfg.model is not None:
+        config = AutoConfig.from_pretrained(cfg.model)
+    else:
+        spec = cfg.model_config
+        if isinstance(spec, str):
+            spec = load_config_file(spec)
+        spec = dict(spec)
+        model_type = spec.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("model_config needs a 'model_type' (e.g. qwen3_5_text for a Gated DeltaNet hybrid).")
+        try:
+            config = AutoConfig.for_model(model_type, **spec)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"model_config for {model_type!r} is invalid: {e}")
+        config.vocab_size = len(tokenizer)
+        config.eos_token_id = tokenizer.eos_token_id
+        config.bos_token_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+    _apply_overrides(config, cfg)
+    if getattr(config, "vocab_size", 0) < len(tokenizer):
+        raise ConfigError(f"model vocab_size {config.vocab_size} < tokenizer size {len(tokenizer)}.")
+    if cfg.attn == "deltamatch_fp8":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if head_dim % 16:
+            raise ConfigError(f"deltamatch_fp8 needs head_dim % 16 == 0; this model has head_dim {head_dim}.")
+    return config
+
+
+def build_model(cfg: TrainConfig, tokenizer):
+    """The causal LM (float32 master weights; bf16 compute comes from autocast)."""
+    from transformers import AutoModelForCausalLM
+
+    attn = setup_attention(cfg)
+    config = build_config(cfg, tokenizer)
+    if cfg.model is not None:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, config=config, attn_implementation=attn,
+                                                     dtype=torch.float32)
+    else:
+        torch.manual_seed(cfg.seed)  # same init on every rank and on resume
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    n_linear = keep_linear_attention_documents_apart(model)
+    if n_linear:
+        log.info("Gated DeltaNet layers run per document (%d layers; flash-linear-attention not installed)", n_linear)
+    if cfg.fp8_linear:
+        convert_linear_to_fp8(model)
+    if cfg.lora:
+        model = apply_lora(model, cfg.lora)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed sequences through linear-attention layers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def keep_linear_attention_documents_apart(model: nn.Module, force: bool = False) -> int:
+    """Make Gated DeltaNet layers respect packed document boundaries when only the torch fallback exists.
+
+    With flash-linear-attention, transformers passes `cu_seq_lens_q` to FLA's varlen kernel. The torch
+    fallback cannot (transformers 5.2x refuses it; older versions silently mixed documents through the
+    recurrent state and the short conv). Here such a layer runs once per document piece of the packed row
+    and the outputs are concatenated: exact isolation, at the cost of a Python loop over documents.
+    The boundaries come from the layer's own kwargs or, for transformers versions that do not forward them to
+    linear-attention layers, from a pre-hook on the backbone (cu_seq_lens_q, else position_ids resets).
+    Returns the number of layers wrapped.
+    """
+    if fla_available() and not force:
+        return 0
+    layers = [m for m in model.modules()
+              if type(m).__name__.endswith("GatedDeltaNet") and not getattr(m, "_hf_dm_per_doc", False)]
+    if not layers:
+        return 0
+    packed: dict = {}
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    backbone.register_forward_pre_hook(_remember_boundaries(packed), with_kwargs=True)
+    for module in layers:
+        module.forward = _per_document(module.forward, packed)
+        module._hf_dm_per_doc = True
+    return len(layers)
+
+
+def _remember_boundaries(packed: dict):
+    def hook(module, args, kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        pos = kwargs.get("position_ids")
+        if cu is None and pos is not None and pos.ndim == 2 and pos.shape[0] == 1:
+            starts = torch.nonzero(pos[0] == 0).flatten()
+            if starts.numel() > 1 or (starts.numel() == 1 and starts[0] != 0):
+                cu = torch.cat([starts, torch.tensor([pos.shape[1]], device=pos.device)])
+                if cu[0] != 0:
+                    cu = torch.cat([torch.zeros(1, dtype=cu.dtype, device=cu.device), cu])
+        packed["cu"] = cu
+
+    return hook
+
+
+def _per_document(forward, packed: dict):
+    def per_document_forward(*args, **kwargs):
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None:
+            cu = packed.get("cu")
+        for k in _PACKED_KWARGS:
+            kwargs.pop(k, None)
+        if "hidden_states" in kwargs:
+            hidden, rest = kwargs.pop("hidden_states"), args
+        else:
+            hidden, rest = args[0], args[1:]
+        cache = kwargs.get("cache", kwargs.get("cache_params"))
+        if cu is None or hidden.shape[0] != 1 or cache is not None or int(cu[-1]) != hidden.shape[1]:
+            return forward(hidden, *rest, **kwargs)
+        kwargs["attention_mask"] = None  # a packed row has no padding
+        bounds = cu.tolist()
+        outs = [forward(hidden[:, s:e], *rest, **kwargs) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+        return torch.cat(outs, dim=1)
+
+    return per_document_forward
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA and FP8 linears
+# ---------------------------------------------------------------------------------------------------------
+
+
+def apply_lora(model, spec: str):
+    from peft import LoraConfig, get_peft_model
+
+    r, alpha, targets = parse_lora(spec)
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ConfigError(f"--lora targets {missing} match no nn.Linear in this model; available: {sorted(names)}.")
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                                                  task_type="CAUSAL_LM"))
+    return peft_model
+
+
+def convert_linear_to_fp8(model: nn.Module) -> None:
+    """torchao float8 training (dynamic tensorwise scaling) for every Linear except the LM head.
+
+    Fast on GPUs with FP8 tensor cores (H100/H200). Elsewhere torch's CPU `_scaled_mm` emulates the FP8 GEMMs
+    with the same rounding: slow, but the same numerics, which is what the CPU tests and rehearsals need.
+    """
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as e:
+        raise ConfigError(f"--fp8_linear needs torchao's float8 training: {e}")
+    if not torch.cuda.is_available():
+        log.warning("--fp8_linear without a CUDA GPU: FP8 GEMMs are emulated on the CPU (slow; for testing).")
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        # FP8 GEMMs need both dims divisible by 16; the LM head stays in bf16 (as DeepSeek-V3 / torchao recipes do)
+        return isinstance(mod, nn.Linear) and "lm_head" not in fqn and \
+            mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+    convert_to_float8_training(model, module_filter_fn=keep)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loss
+# ---------------------------------------------------------------------------------------------------------
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers *ForCausalLM inside a possible peft wrapper."""
+    if hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+class CausalLMWithLoss(nn.Module):
+    """Wraps the causal LM so the whole loss (possibly chunked) runs inside one forward that DDP/FSDP see.
+
+    forward(**batch) -> (loss mean over predicted tokens, number of predicted tokens).
+    With loss_chunk > 0, the LM head + cross-entropy run over chunks of tokens under activation checkpointing,
+    so at 64K tokens x a large vocabulary only one chunk of fp32 logits ever exists.
+    """
+
+    def __init__(self, model: nn.Module, loss_chunk: int = 0):
+        super().__init__()
+        self.model = model
+        self.loss_chunk = loss_chunk
+        lm = causal_lm(model)
+        # FSDP auto-wrap reads _no_split_modules; keep only classes this model has (Qwen3.5 lists vision blocks).
+        present = {type(m).__name__ for m in lm.modules()}
+        self._no_split_modules = [n for n in (getattr(lm, "_no_split_modules", None) or []) if n in present]
+
+    @property
+    def lm(self):
+        return causal_lm(self.model)
+
+    def forward(self, input_ids, labels, **kwargs):
+        # Shifted targets: token t predicts labels[t + 1]; the collator put -100 at document starts.
+        shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+        n_tokens = (shift != -100).sum()
+        kwargs.setdefault("use_cache", False)  # training never needs a KV cache (and packed rows must not get one)
+        if self.loss_chunk <= 0:
+            out = self.model(input_ids=input_ids, **kwargs)
+            logits = out.logits.float()
+            loss = nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), shift.view(-1),
+                                               ignore_index=-100, reduction="sum")
+            return loss / n_tokens.clamp(min=1), n_tokens
+        lm = self.lm
+        backbone = getattr(lm, lm.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, **kwargs).last_hidden_state
+        head = lm.get_output_embeddings()
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for s in range(0, hidden.shape[1], self.loss_chunk):
+            h = hidden[:, s:s + self.loss_chunk]
+            y = shift[:, s:s + self.loss_chunk]
+            total = total + checkpoint(_chunk_ce, h, head.weight, y, use_reentrant=False)
+        return total / n_tokens.clamp(min=1), n_tokens
+
+
+def _chunk_ce(h, weight, y):
+    logits = nn.functional.linear(h, weight.to(h.dtype) if not torch.is_autocast_enabled(h.device.type) else weight)
+    return nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100,
+                                       reduction="sum")

@@ -1,0 +1,49 @@
+"""Shared test setup.
+
+Without CUDA, Triton kernels run in Triton's interpreter: TRITON_INTERPRET must be set before any module
+imports triton, which is why it is set here, at collection time. Tests marked `gpu` need CUDA.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Configuration from the environment would silently change what the tests check.
+_CONFIG_ENV = ("HF_DELTAMATCH_PRECISION", "HF_DELTAMATCH_DELTA", "HF_DELTAMATCH_BACKEND")
+for _var in _CONFIG_ENV:
+    os.environ.pop(_var, None)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200; results are committed)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_default_config():
+    """The op's default config and its environment variables, as they were before each test: the training
+    recipe sets HF_DELTAMATCH_PRECISION/_DELTA process-wide on purpose (its workers inherit them), and read by
+    every later call they would switch another test's op to fp8 when the recipe test ran first in a worker."""
+    import hf_deltamatch
+
+    saved = hf_deltamatch.get_default_config()
+    saved_env = {var: os.environ.get(var) for var in _CONFIG_ENV}
+    yield
+    hf_deltamatch.set_default_config(saved)
+    for var, value in saved_env.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value

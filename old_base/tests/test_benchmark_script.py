@@ -1,0 +1,160 @@
+"""Smoke tests of benchmarks/attention.py: its conventions, its writers, and the CPU dry run end to end.
+
+The numbers themselves come from the H200 (`bash benchmarks/gpu_check.sh "$OUT"`); here we check that the
+script runs, that its FLOP convention matches shared/ANCHORS.md, and that failures land in the report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "attention.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_flop_convention_matches_anchors(bench):
+    # ANCHORS.md: SDPA cuDNN fwd+bwd 3.865 ms = 498 TFLOP/s at N=8192 causal, 7.154 ms = 538 at N=8192 full,
+    # 113.1 ms = 544 at N=65536 causal (B=1); fwd alone 1.014 ms = 542 at N=8192 causal.
+    for name, key, ms, tflops in [("n8192c", "fwdbwd", 3.865, 498), ("n8192f", "fwdbwd", 7.154, 538),
+                                  ("n65536c", "fwdbwd", 113.1, 544), ("n8192c", "fwd", 1.014, 542)]:
+        flops = bench.attention_flops(bench.PRESETS[name])
+        assert flops[key] / (ms * 1e-3) / 1e12 == pytest.approx(tflops, abs=1.0), name
+    f = bench.attention_flops(bench.PRESETS["gqa"])  # GQA counts query heads
+    assert f["fwd"] == 4 * 2 * 16 * 8192**2 * 128 / 2 and f["bwd"] == 2.5 * f["fwd"]
+
+
+def test_presets_follow_anchors(bench):
+    for name, s in bench.PRESETS.items():
+        assert s.Hq * s.D == 2048, name  # hidden 2048
+        assert s.B * s.N == 16384 or name == "n65536c", name
+    assert bench.PRESETS["gqa"].Hkv == 4 and bench.PRESETS["n8192f"].causal is False
+
+
+def test_parse_shape(bench):
+    assert bench.parse_shape("n8192c") is bench.PRESETS["n8192c"]
+    s = bench.parse_shape("B2-H16-KV4-N8192-D128-causal")
+    assert (s.B, s.Hq, s.Hkv, s.N, s.D, s.causal) == (2, 16, 4, 8192, 128, True)
+    s = bench.parse_shape("B1-H8-N1024-D64-full")
+    assert (s.Hkv, s.causal) == (8, False)
+    with pytest.raises(ValueError, match="preset"):
+        bench.parse_shape("B2-H16-X9")
+    with pytest.raises(ValueError, match="multiple"):
+        bench.parse_shape("B1-H6-KV4-N128-D64")
+
+
+def _fake_report(bench):
+    """A GPU-like report (ratios, anchor estimates, a failure, a skipped shape) the CPU run cannot produce."""
+    shape = bench.PRESETS["n8192c"]
+    flops = bench.attention_flops(shape)
+
+    def ok(ms, err=3e-3, **extra):
+        res = {"status": "ok", "fwd_ms": ms / 3.5, "bwd_ms": ms * 2.5 / 3.5, "fwdbwd_ms": ms,
+               "bwd_method": "retained graph", "peak_mib": 1234.0,
+               "err": {"out": err, "dq": err, "dk": err, "dv": err}}
+        res.update({f"{k}_tflops": flops[k] / (res[f"{k}_ms"] * 1e-3) / 1e12 for k in ("fwd", "bwd", "fwdbwd")})
+        res.update(extra)
+        return res
+
+    ops = {
+        "dm-fp8-matching": ok(3.0, 0.04, check="ok"),
+        "dm-fp8-stale": ok(2.9, float("nan"), check="FAIL (non-finite)"),
+        "dm-bf16": {"status": "error", "stage": "first call", "error": "ValueError: the Triton kernels do not"},
+        "sdpa-flash": ok(6.6), "sdpa-cudnn": ok(3.865), "flex": ok(5.2, bwd_method="fwd+bwd minus fwd"),
+    }
+    for res in ops.values():
+        if res["status"] == "ok":
+            res["speedup_vs_base"] = {k: ops["sdpa-cudnn"][f"{k}_ms"] / res[f"{k}_ms"] for k in ("fwd", "bwd", "fwdbwd")}
+    entry = {"name": "n8192c", "label": shape.label, "status": "done", "flops": flops, "ops": ops,
+             "ratio_base": "sdpa-cudnn", "reference": "fp32, SDPA mem-efficient backend",
+             "anchor_estimates_ms": {"fa4": 3.44, "cudnn-fp8": 2.968}}
+    skipped = {"name": "n65536c", "label": bench.PRESETS["n65536c"].label, "status": "skipped",
+               "reason": "skipped: time budget of 300 s used up (301 s)"}
+    env = {"python": "3.12", "torch": "2.11.0", "cuda": "13.0", "triton": "3.6.0", "cudnn": "9.19.0",
+           "gpu": "NVIDIA H200", "sm_count": 132, "capability": "9.0", "gpu_memory_gib": 139.8,
+           "git_commit": "0" * 40, "hf_deltamatch": "0.1.0"}
+    meta = {k: "x" for k in ("timing", "flops", "ratio", "ops_doc", "memory", "check")}
+    meta.update(date="2026-11-29 15:00 UTC", dry_run=False, ops=list(ops), ratio_base="sdpa-cudnn", backend="triton")
+    return {"meta": meta, "environment": env, "shapes": [entry, skipped]}
+
+
+def test_writers_report_ratios_failures_and_skips(bench, tmp_path):
+    report = _fake_report(bench)
+    json_path, md_path = tmp_path / "r.json", tmp_path / "r.md"
+    bench.write_outputs(report, json_path, md_path)
+    data = json.loads(json_path.read_text())  # strict JSON: NaN was turned into a string
+    assert data["shapes"][0]["ops"]["dm-fp8-stale"]["err"]["out"] == "nan"
+    md = md_path.read_text()
+    assert "3.000 (" in md and "1.29×" in md  # ours: ms (TFLOP/s) and speed-up vs cuDNN
+    assert "FA4 est." in md and "3.440 (559)" in md  # ANCHORS.md's FA4 at N=8192 causal: 3.440 ms = 559 TFLOP/s
+    assert "**WRONG**" in md  # the non-finite error is flagged in the summary table
+    assert "## Failures" in md and "dm-bf16 (at first call): ValueError" in md
+    assert "time budget" in md and "†" in md
+    tail = bench.stdout_md(report).rstrip().splitlines()
+    assert tail[-1].startswith("FA4 est.") and any(line.startswith("| n8192c: B2 H16") for line in tail[-6:])
+
+
+def test_dry_run_end_to_end(tmp_path):
+    try:
+        from hf_deltamatch import DeltaMatchConfig, deltamatch_attention  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"hf_deltamatch.deltamatch_attention is not importable yet ({exc})")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("attention-*-cpu.json")
+    (md_path,) = tmp_path.glob("attention-*-cpu.md")
+    report = json.loads(json_path.read_text())
+    assert report["meta"]["dry_run"] is True and report["environment"]["torch"]
+    assert len(report["shapes"]) == 2
+    for shape in report["shapes"]:
+        assert shape["reference"].startswith("float64")
+        for name in ("dm-fp8-matching", "dm-fp8-stale", "dm-bf16", "sdpa-math"):
+            res = shape["ops"][name]
+            assert res["status"] == "ok", (shape["name"], name, res.get("error"))
+            assert res["check"] == "ok", (shape["name"], name, res["err"])
+            assert all(math.isfinite(e) for e in res["err"].values())
+            assert res["bwd_method"] == "retained graph"
+            assert res["speedup_vs_base"]["fwdbwd"] > 0
+        for name in ("sdpa-flash", "sdpa-cudnn", "flex"):
+            assert shape["ops"][name]["status"] == "skipped"
+        # FP8 is visibly less accurate than the same algorithm in bf16 (the error columns are live)
+        assert shape["ops"]["dm-fp8-matching"]["err"]["dq"] > 3 * shape["ops"]["dm-bf16"]["err"]["dq"]
+        # saved for backward: fp8 keeps 1-byte q8/k8/v8 (+ fp32 per-token scales, lse), bf16 mode the 2-byte inputs
+        saved = {name: shape["ops"][name]["saved_mib"] for name in ("dm-fp8-matching", "dm-bf16")}
+        assert 0 < saved["dm-fp8-matching"] < 0.65 * saved["dm-bf16"], saved
+    assert "DRY RUN" in md_path.read_text()
+    last = proc.stdout.rstrip().splitlines()[-1]
+    assert last.startswith("| tiny-full:"), last  # the ANCHORS.md-style table is printed last
+
+
+def test_gpu_check_skips_the_benchmark_when_the_tests_leave_too_little_time(tmp_path):
+    """gpu_check.sh's control flow (the GPU tests and timing need the H200): with `true` as the interpreter the
+    tests "pass" at once, and a 60 s total leaves under the 120 s the benchmark needs, so it is skipped with a
+    note on what to run instead, and the script exits with pytest's status, writing no benchmark report."""
+    env = {**os.environ, "PYTHON": "true", "GPU_CHECK_TOTAL": "60"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pytest -m gpu: passed" in proc.stdout
+    assert "benchmark skipped" in proc.stdout and "benchmarks/attention.py" in proc.stdout
+    assert not list(tmp_path.glob("attention-*"))

@@ -1,0 +1,511 @@
+"""hf_deltamatch.kernels against the reference backend (same contract), on the CPU under TRITON_INTERPRET=1
+(tests/conftest.py sets it before triton is imported) or on a GPU when there is one.
+
+Same contract => agreement to fp32 rounding plus rare FP8 rounding flips (docs/numerics.md): relative
+Frobenius error <= 1e-3 for out, dq, dk, dv; the quantized q8/k8/v8 and their scales bit-identical.
+Shapes are small (N <= 256): each interpreted launch costs ~0.1-0.5 s.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from hf_deltamatch import reference as R
+from hf_deltamatch.config import DeltaMatchConfig
+
+K = pytest.importorskip("hf_deltamatch.kernels")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# On a GPU the FP8 MMA accumulates with reduced precision (tests/test_kernels_gpu.py); the interpreter is exact.
+TOL = 1e-3 if DEV == "cpu" else 1e-2
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _run(B=1, Hq=2, Hkv=1, N=128, M=None, Dqk=64, Dv=None, causal=True, window=None, cu=None,
+         dtype=torch.bfloat16, seed=0, check_saved=True, row_sums=True, **cfg):
+    M = M if M is not None else N
+    Dv = Dv or Dqk
+    config = DeltaMatchConfig(**cfg)
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    q, k, v, do = mk(B, Hq, N, Dqk), mk(B, Hkv, M, Dqk), mk(B, Hkv, M, Dv), mk(B, Hq, N, Dv)
+    cuq = cuk = None
+    if cu is not None:
+        cuq = torch.tensor(cu[0], dtype=torch.int32, device=DEV)
+        cuk = torch.tensor(cu[1], dtype=torch.int32, device=DEV)
+    kw = dict(causal=causal, softmax_scale=Dqk ** -0.5, window=window, cu_seqlens_q=cuq, cu_seqlens_k=cuk,
+              config=config)
+    assert K.supports(q, k, v, window, config) is None
+    fk = K.forward(q, k, v, **kw)
+    fr = R.forward(q, k, v, **kw)
+    assert fk[0].dtype == q.dtype and fk[0].shape == fr[0].shape
+    assert _rel(fk[0], fr[0]) <= TOL
+    fin = torch.isfinite(fr[1])
+    assert torch.equal(torch.isfinite(fk[1]), fin)
+    if fin.any():
+        assert (fk[1][fin] - fr[1][fin]).abs().max().item() <= (1e-4 if DEV == "cpu" else 1e-2)
+    if config.precision == "fp8" and check_saved:
+        toks = [slice(None)] if cu is None else [slice(a, b) for a, b in zip(cu[0][:-1], cu[0][1:])]
+        for t in toks:  # tokens outside every sequence are unspecified
+            assert torch.equal(fk[2][:, :, t].float(), fr[2][:, :, t].float())
+            assert torch.equal(fk[5][:, :, t], fr[5][:, :, t])
+        assert fk[4].shape == fr[4].shape and fk[4].stride() == fr[4].stride()
+    else:
+        for t in fk[2:]:
+            assert t.numel() == 0 or config.precision == "fp8"
+    # both backwards from the same saved tensors (the reference's)
+    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw, return_row_sums=row_sums)
+    gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw, return_row_sums=True)
+    for name, a, b in zip(("dq", "dk", "dv"), gk, gr):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.isfinite(a).all()
+        assert _rel(a, b) <= TOL, (name, _rel(a, b))
+    if not row_sums:
+        return None
+    # the invariant sum_j dS_ij = 0 before quantization (row sums relative to |dS| row sums)
+    rs, ra = gk[3], gk[4]
+    assert _rel(ra, gr[4]) <= TOL
+    resid = (rs.norm() / ra.norm().clamp_min(1e-30)).item()
+    return resid
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_dense(causal, precision):
+    _run(N=192, causal=causal, precision=precision)
+
+
+@pytest.mark.parametrize("N,M", [(100, 230), (230, 100), (1, 130), (129, 129)])
+def test_causal_bottom_right_and_tails(N, M):
+    """N < M (bottom-right aligned), N > M (leading rows see no key: zeros, -inf LSE), ragged tails."""
+    _run(N=N, M=M, causal=True)
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_sliding_window(block):
+    _run(N=256, window=50, block=block)
+
+
+def test_window_bf16_fp16_inputs():
+    _run(N=200, M=220, window=70, precision="bf16", dtype=torch.float16)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (4, 1)])
+def test_gqa_mqa(Hq, Hkv):
+    _run(Hq=Hq, Hkv=Hkv, N=130, Dqk=32)
+
+
+def test_dqk_ne_dv():
+    _run(N=80, Dqk=48, Dv=32)  # padded to 64/32 inside
+
+
+def test_mla_192_128():
+    _run(N=64, Hq=1, Dqk=192, Dv=128, causal=True)
+
+
+def test_head_dim_128_block64_fp16():
+    _run(N=130, Dqk=128, block=64, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_varlen(precision):
+    cu = [0, 70, 71, 200, 260]
+    _run(N=260, cu=(cu, cu), Hq=2, Hkv=1, precision=precision)
+
+
+def test_varlen_window_distinct_k_lengths():
+    _run(N=200, M=240, cu=([0, 60, 200], [0, 100, 240]), window=40, block=64)
+
+
+def test_stale_and_invariant():
+    """Matching keeps sum_j dS_ij at fp32 rounding; stale does not."""
+    kw = dict(N=192, causal=True, seed=3)
+    matching = _run(delta="matching", **kw)
+    stale = _run(delta="stale", **kw)
+    assert matching <= 1e-5
+    assert stale > 10 * matching
+
+
+def test_stale_bf16():
+    _run(N=100, causal=False, delta="stale", precision="bf16")
+
+
+def test_e5m2_pow2():
+    _run(N=160, grad_format="e5m2", scale_rounding="pow2")
+
+
+def test_deterministic_flag():
+    torch.manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 96, 32).to(torch.bfloat16).to(DEV) for _ in range(4))
+    outs = []
+    for det in (False, True, True):
+        cfg = DeltaMatchConfig(deterministic=det)
+        kw = dict(causal=True, softmax_scale=32 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=cfg)
+        f = K.forward(q, k, v, **kw)
+        outs.append(K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
+    for a, b in zip(outs[1], outs[2]):
+        assert torch.equal(a, b)
+
+
+def test_non_contiguous_inputs():
+    """(B, H, S, D) views of (B, S, H, D) tensors, as transformers passes them."""
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randn(2, 96, 2, 32, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4)]
+    q, k, v, do = (t.transpose(1, 2) for t in base)
+    cfg = DeltaMatchConfig()
+    kw = dict(causal=True, softmax_scale=32 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None, config=cfg)
+    fk, fr = K.forward(q, k, v, **kw), R.forward(q, k, v, **kw)
+    assert _rel(fk[0], fr[0]) <= TOL
+    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    for a, b in zip(gk, gr):
+        assert _rel(a, b) <= TOL
+
+
+def test_supports_reasons():
+    cfg = DeltaMatchConfig()
+    mk = lambda *s, dt=torch.bfloat16: torch.zeros(*s, dtype=dt, device=DEV)  # noqa: E731
+    assert K.supports(mk(1, 2, 8, 64), mk(1, 1, 8, 64), mk(1, 1, 8, 64), None, cfg) is None
+    assert "head dim" in K.supports(mk(1, 2, 8, 72), mk(1, 1, 8, 72), mk(1, 1, 8, 72), None, cfg)
+    assert "head dim" in K.supports(mk(1, 2, 8, 512), mk(1, 1, 8, 512), mk(1, 1, 8, 512), None, cfg)
+    assert "float16" in K.supports(mk(1, 2, 8, 64, dt=torch.float32), mk(1, 1, 8, 64, dt=torch.float32),
+                                   mk(1, 1, 8, 64, dt=torch.float32), None, cfg)
+    assert "multiple" in K.supports(mk(1, 3, 8, 64), mk(1, 2, 8, 64), mk(1, 2, 8, 64), None, cfg)
+
+
+def test_dq_block_of_two_ds_tiles():
+    """The dQ/correction kernel over 128-row blocks (two 64-row dS tiles, one scale each): a tuning option."""
+    K.TUNE["dq"] = (128, 8, 2)
+    try:
+        _run(N=200, M=230, block=64)
+        _run(N=150, causal=False)
+    finally:
+        K.TUNE.clear()
+
+
+def test_tma_and_pointer_paths_agree():
+    """fp8 kernels read their tiles through TMA descriptors where they can (dense batches and varlen batches
+    whose sequence starts are multiples of 16, head dims <= 128) and through masked pointer loads elsewhere.
+    Both against the reference, and bit-identical to each other (the same products in the same order)."""
+    assert K._use_tma("fwd", True, 128, 128) and not K._use_tma("dq", False, 128, 128)
+    assert not K._use_tma("fwd", True, 192, 128) and not K._use_tma("dkdv", True, 128, 128)
+    assert not K._use_tma("fwd", True, 64, 64, starts_aligned=False)
+    z = torch.zeros(1, 1, 300, 64)
+    cu = torch.tensor([0, 96, 160, 300], dtype=torch.int32)
+    info = K._seq_info(z, z, cu, cu)  # (nseq, max_n, max_m, cu_q, cu_k, starts_aligned, packing)
+    assert info[:3] == (3, 140, 140) and info[5] is True
+    assert K._seq_info(z, z, cu, cu + torch.tensor([0, 1, 0, 0], dtype=torch.int32))[5] is False
+    assert K._seq_info(z, z, None, None)[5] is True
+    cases = [dict(N=200, M=230), dict(N=130, causal=False, Hq=4, Hkv=2),
+             dict(N=300, M=320, cu=([0, 96, 160, 280], [0, 128, 176, 300]), window=50)]
+    K.TUNE.update(fwd_tma=True, dq_tma=True, dkdv_tma=True)  # every kernel's TMA path, at D=64 too
+    try:
+        for case in cases:
+            _run(**case, row_sums=False)
+        tma = _fwd_bwd_tma_vs_pointers()
+    finally:
+        K.TUNE.clear()
+    for a, b in zip(*tma):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cu", [None, [0, 70, 71, 200]])
+def test_token_major_copy_fused_or_separate(monkeypatch, cu):
+    """quantize(transposed=True) writes the token-major copy in its own kernel (Triton 3.6) or through
+    token_major() (other versions: Triton 3.9 compiled the fused store wrongly for sm_90): the same bytes,
+    the same token-major layout."""
+    Q = importlib.import_module("hf_deltamatch.kernels.quantize")  # the module (the package exports the function)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 2, 200, 64, generator=g).to(torch.bfloat16).to(DEV)
+    cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=DEV)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(Q, "FUSED_TOKEN_MAJOR", fused)
+        outs.append(Q.quantize(x, 64, cu_seqlens=cu_t, max_len=None if cu is None else 129, transposed=True))
+    (y1, yt1, s1), (y2, yt2, s2) = outs
+    assert torch.equal(y1.float(), y2.float()) and torch.equal(s1, s2)
+    assert torch.equal(yt1.float(), yt2.float()) and torch.equal(yt1.float(), y1.float())
+    assert yt1.stride() == yt2.stride() and yt2.stride(2) == 1
+
+
+def test_token_major_k_order():
+    """token_major(k_order=True), the Gluon kernels' B operands (_gluon.fp8_operand): each group of 32 tokens in
+    k_order()'s order, a permutation that pairs each thread's accumulator columns (2q, 2q+1, 8+2q, 9+2q, ...) with
+    its fp8 operand's K values (4q .. 4q+3, 16+4q .. 19+4q)."""
+    Q = importlib.import_module("hf_deltamatch.kernels.quantize")
+    pos = Q.k_order(64)
+    assert sorted(pos.tolist()) == list(range(64)) and pos[32:].tolist() == (pos[:32] + 32).tolist()
+    for q in range(4):  # thread q's accumulator columns land on its operand's K values, in order
+        cols = [8 * g + 2 * q + e for g in range(4) for e in range(2)]
+        assert pos[cols].tolist() == [4 * q + i for i in range(4)] + [16 + 4 * q + i for i in range(4)]
+    g = torch.Generator().manual_seed(7)
+    x8 = torch.randn(2, 3, 96, 64, generator=g).to(torch.float8_e4m3fn).to(DEV)
+    yt = Q.token_major(x8, k_order=True)
+    assert yt.stride(2) == 1
+    want = torch.empty_like(x8.float())
+    want[:, :, Q.k_order(96).tolist()] = x8.float()
+    assert torch.equal(yt.float(), want)
+    with pytest.raises(ValueError, match="groups of 32"):
+        Q.token_major(x8[:, :, :40], k_order=True)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_quantize_k_order(monkeypatch, fused):
+    """quantize(transposed=True, k_order=True), the Gluon forward's V: the row-major copy and the scales as
+    without k_order, the token-major copy in k_order() (written by the quantize kernel itself or by
+    token_major)."""
+    Q = importlib.import_module("hf_deltamatch.kernels.quantize")
+    monkeypatch.setattr(Q, "FUSED_TOKEN_MAJOR", fused)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 2, 192, 64, generator=g).to(torch.bfloat16).to(DEV)
+    y, yt, s = Q.quantize(x, 64, transposed=True, k_order=True)
+    y0, _, s0 = Q.quantize(x, 64)
+    assert torch.equal(y.float(), y0.float()) and torch.equal(s, s0)
+    want = torch.empty_like(y0.float())
+    want[:, :, Q.k_order(192).tolist()] = y0.float()
+    assert torch.equal(yt.float(), want) and yt.stride(2) == 1
+    with pytest.raises(ValueError, match="groups of 32"):
+        Q.quantize(x[:, :, :100], 64, transposed=True, k_order=True)
+
+
+def test_correction_pass_scale_after_sum():
+    """The correction pass scaling each key tile's row sums of P * dP by the tile's dP scale instead of every dP
+    (TUNE dq_scale_after_sum): the same contract, and the invariant still at fp32 rounding."""
+    K.TUNE.update(dq_scale_after_sum=True)
+    try:
+        resid = _run(N=256, causal=True, seed=3)
+        _run(N=200, M=230, causal=False, Hq=4, Hkv=2, block=64, row_sums=False)
+        K.TUNE["dq"] = (128, 8, 2)  # per-row dP scales (two dS tiles per block)
+        _run(N=200, causal=True, row_sums=False)
+    finally:
+        K.TUNE.clear()
+    assert resid <= 1e-5
+
+
+@pytest.mark.parametrize("tune", [dict(dkdv_lse2=True, dkdv_p256=True), dict(dkdv_p256=True)])
+def test_dkdv_lse2_and_p256(tune):
+    """The dK/dV kernel reading the dQ kernel's LSE2 and/or taking P * 256 straight from exp2 (TUNE dkdv_lse2,
+    dkdv_p256): the same contract in every mode that reaches the changed code (stale, bf16, window, varlen,
+    pow2 scales, e5m2)."""
+    K.TUNE.update(tune)
+    try:
+        _run(N=256, causal=True, seed=3)
+        _run(N=200, M=230, causal=False, Hq=4, Hkv=2, block=64, row_sums=False, delta="stale")
+        _run(N=200, M=220, window=70, precision="bf16", row_sums=False)
+        cu = [0, 70, 71, 200, 260]
+        _run(N=260, cu=(cu, cu), row_sums=False, grad_format="e5m2", scale_rounding="pow2")
+    finally:
+        K.TUNE.clear()
+
+
+@pytest.mark.parametrize("group", [2, 3, 100])
+def test_head_groups(group):
+    """Each kernel's grid handing out heads in groups (TUNE <kernel>_head_group; 3 leaves a partial last group,
+    100 means all heads at once): the same results, dense with GQA and varlen."""
+    K.TUNE.update(fwd_head_group=group, dq_head_group=group, dkdv_head_group=group)
+    try:
+        assert K._grid("dkdv", 5, 4, 2, True) == ((20, 1, 2), 5, min(group, 4))
+        _run(N=200, M=230, causal=True, Hq=4, Hkv=2, row_sums=False)
+        if group == 3:
+            cu = [0, 70, 71, 200, 260]
+            _run(N=260, cu=(cu, cu), Hq=4, row_sums=False)
+    finally:
+        K.TUNE.clear()
+    from hf_deltamatch.kernels.launch import HEAD_GROUP_CAUSAL
+    assert K._grid("dq", 5, 16, 1, True)[2] == HEAD_GROUP_CAUSAL["dq"] and K._grid("dq", 5, 16, 1, False)[2] == 1
+    with pytest.raises(ValueError, match="head_group"):
+        K.TUNE.update(fwd_head_group=0)
+        try:
+            K._grid("fwd", 5, 4, 1, True)
+        finally:
+            K.TUNE.clear()
+
+
+def test_dkdv_split_into_dv_and_dk_launches():
+    """dV and dK from two launches of the dK/dV kernel (TUNE dkdv_split): the same contract in fp8 and bf16, with
+    GQA, varlen, a window and the stale delta."""
+    K.TUNE.update(dkdv_split=True)
+    try:
+        _run(N=200, M=230, causal=True, Hq=4, Hkv=2, row_sums=False)
+        _run(N=200, M=220, window=70, precision="bf16", row_sums=False)
+        cu = [0, 70, 71, 200, 260]
+        _run(N=260, cu=(cu, cu), row_sums=False, delta="stale", causal=False)
+    finally:
+        K.TUNE.clear()
+
+
+def _fwd_bwd_tma_vs_pointers():
+    """(forward out, lse, dq, dk, dv) with the TUNE in force, and the same with pointer loads everywhere."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 2, 150, 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4))
+    kw = dict(causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+
+    def fwd_bwd():
+        f = K.forward(q, k, v, **kw)
+        return (*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
+
+    tma = fwd_bwd()
+    saved = dict(K.TUNE)
+    K.TUNE.update(fwd_tma=False, dq_tma=False, dkdv_tma=False)
+    try:
+        ptr = fwd_bwd()
+        _run(N=150, row_sums=False)  # the pointer paths against the reference
+    finally:
+        K.TUNE.clear()
+        K.TUNE.update(saved)
+    return tma, ptr
+
+
+
+def test_backward_non_contiguous_saved_tensors_take_pointer_path():
+    """The backward's descriptors assume forward()'s contiguous q8/k8/v8; strided ones must still be right."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v, do = (torch.randn(1, 2, 130, 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4))
+    kw = dict(causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    f = R.forward(q, k, v, **kw)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in f[2:5]]  # same values, (B, N, H, D) storage
+    assert not strided[0].is_contiguous()
+    K.TUNE.update(dq_tma=True, dkdv_tma=True)
+    try:
+        want = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+        got = K.backward(do, q, k, v, f[0], f[1], *strided, *f[5:], **kw)
+    finally:
+        K.TUNE.clear()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernels"])
+def test_saved_fp8_zero_outside_sequences(backend):
+    """docs/numerics.md: varlen tokens outside every sequence are stored as 0 with scale 1 (TMA tiles read them)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 300, 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(3))
+    cu = torch.tensor([0, 96, 160, 272], dtype=torch.int32, device=DEV)
+    f = (R if backend == "reference" else K).forward(
+        q, k, v, causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=cu, cu_seqlens_k=cu,
+        config=DeltaMatchConfig())
+    for t in f[2:5]:
+        assert not t[:, :, 272:].float().any() and t[:, :, :272].float().any()
+    for t in f[5:8]:
+        assert torch.equal(t[:, :, 272:], torch.ones_like(t[:, :, 272:]))
+
+
+def test_untested_triton_versions_are_named():
+    """Triton versions the GPU tests have not passed with get a warning that says what to run instead."""
+    assert K._untested_triton("3.6.0") is None and K._untested_triton("3.9.1") is None
+    assert "3.10.0" in K._untested_triton("3.10.0")
+    msg = K._untested_triton("3.7.0")
+    assert "3.7.0" in msg and "pytest -m gpu" in msg and "backend='reference'" in msg
+
+
+def test_unknown_tune_key_is_refused():
+    """A misspelt launch-config override would time the defaults under the wrong name."""
+    q = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16, device=DEV)
+    kw = dict(causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    K.TUNE.update(bwd_tma=False)
+    try:
+        with pytest.raises(KeyError, match="bwd_tma"):
+            K.forward(q, q, q, **kw)
+    finally:
+        K.TUNE.clear()
+    K.forward(q, q, q, **kw)
+
+
+@pytest.mark.parametrize("dq_cfg,block_n,fold", [(None, None, False), ((128, 8, 2), None, False), (None, 32, False),
+                                                  (None, 32, True)])
+def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg, block_n, fold):
+    """The dK/dV kernel taking each dS tile's scale from the dQ kernel instead of its own absmax (TUNE
+    dkdv_ds_scales): the same contract with GQA, a window, varlen (unaligned starts, a one-token sequence), the
+    stale delta, 128-row dQ blocks (two dS tiles per block, the second past a sequence's end), dK/dV programs
+    of fewer keys than a dS tile (TUNE dkdv_block_n) and the scale folded into dP's and delta (TUNE
+    dkdv_fold_ds_scale), and dK equal to the dK/dV kernel's own-absmax dK up to fp32
+    rounding (a misplaced scale changes the fp8 rounding by percents)."""
+    cu = [0, 70, 71, 200, 260]
+    runs = [dict(N=200, M=230, causal=True, Hq=4, Hkv=2), dict(N=200, M=220, window=70, block=64),
+            dict(N=260, cu=(cu, cu), delta="stale", causal=False), dict(N=260, cu=(cu, cu), Hq=2, Hkv=1)]
+    for kw in runs:
+        grads = []
+        for on in (True, False):
+            K.TUNE.update(dkdv_ds_scales=on, **({"dq": dq_cfg} if dq_cfg else {}),
+                          **({"dkdv_block_n": block_n, "dkdv_fold_ds_scale": fold} if block_n and on else {}))
+            try:
+                _run(row_sums=False, **kw)
+                g = torch.Generator().manual_seed(1)
+                B, Hq, Hkv, N = 1, kw.get("Hq", 2), kw.get("Hkv", 1), kw["N"]
+                M = kw.get("M", N)
+                mk = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16).to(DEV)  # noqa: E731
+                q, k, v, do = mk(B, Hq, N, 64), mk(B, Hkv, M, 64), mk(B, Hkv, M, 64), mk(B, Hq, N, 64)
+                cuq = None if "cu" not in kw else torch.tensor(kw["cu"][0], dtype=torch.int32, device=DEV)
+                args = dict(causal=kw.get("causal", True), softmax_scale=0.125, window=kw.get("window"),
+                            cu_seqlens_q=cuq, cu_seqlens_k=cuq,
+                            config=DeltaMatchConfig(block=kw.get("block", 128), delta=kw.get("delta", "matching")))
+                saved = R.forward(q, k, v, **args)
+                grads.append(K.backward(do, q, k, v, saved[0], saved[1], *saved[2:], **args))
+            finally:
+                K.TUNE.clear()
+        for name, a, b in zip(("dq", "dk", "dv"), *grads):
+            assert _rel(a, b) <= 1e-5, (name, kw, _rel(a, b))
+
+
+def test_dkdv_block_n_needs_the_ds_scales():
+    """A dK/dV program smaller than a dS tile cannot find the tile's scale itself: refused, with what to do."""
+    K.TUNE.update(dkdv_ds_scales=False, dkdv_block_n=64)
+    try:
+        with pytest.raises(ValueError, match="dkdv_ds_scales"):
+            _run(N=64, row_sums=False)
+    finally:
+        K.TUNE.clear()
+
+
+def test_gluon_kernels_by_head_dim(monkeypatch):
+    """Which Gluon kernels take the Gluon kernels' case (launch._hopper_case, forced true here: it needs an sm_90
+    GPU), by head dim: dense batches take the Gluon forward at D=128 only (at D=64 the Triton one is as fast),
+    packed batches at D=64 too (the Triton kernels are 2-4 x slower on them, run 0506), dQ and dK/dV at both."""
+    from hf_deltamatch.kernels import launch
+    monkeypatch.setattr(launch, "_hopper_case", lambda **case: True)
+    for d, varlen, want in ((128, False, (True, True, True)), (64, False, (False, True, True)),
+                            (64, True, (True, True, True))):
+        case = dict(fp8=True, dqk=d, dv=d, block=128, varlen=varlen, window=None, n=1024, m=1024,
+                    device=torch.device("cpu"), packed=varlen)
+        got = (launch._fwd_hopper(d, **case), launch._dq_hopper(d, stale=False, **case),
+               launch._dkdv_hopper(d, **case))
+        assert got == want, (d, varlen, got)
+        assert not launch._dq_hopper(d, stale=True, **case)  # the Gluon dQ kernel has no stale delta
+
+
+def test_gluon_kernels_only_where_they_apply():
+    """The Gluon kernels (dkdv_hopper.py, dq_hopper.py, fwd_hopper.py; TUNE dkdv_hopper, dq_hopper, fwd_hopper)
+    run only on an sm_90 GPU with Triton 3.6 and only for their case; anywhere else (the interpreter here, a
+    varlen batch, D=256, ...) the request falls back to the Triton kernels, with the same results. Their own
+    numerics are held to the reference on the H200 (tests/test_kernels_gpu.py::test_*_hopper_kernel)."""
+    ok = dict(fp8=True, e4m3=True, dqk=128, dv=128, block=128, varlen=False, window=None, n=256, m=256,
+              device=torch.device("cpu"), lse2_in=True, p_shift=8)
+    K.TUNE.update(dkdv_hopper=True, dq_hopper=True, fwd_hopper=True)
+    try:
+        assert not K._dkdv_hopper(128, **ok)  # no sm_90 GPU (and the interpreter)
+        assert not K._dq_hopper(128, stale=False, **ok)
+        assert not K._fwd_hopper(128, **{k_: ok[k_] for k_ in ("fp8", "dqk", "dv", "block", "varlen", "window",
+                                                                "n", "m", "device")})
+        g = torch.Generator().manual_seed(5)
+        q, k, v, do = (torch.randn(1, 2, 128, 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4))
+        kw = dict(causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        f = K.forward(q, k, v, **kw)
+        got = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+    finally:
+        K.TUNE.clear()
+    K.TUNE["dkdv_ds_scales"] = True  # what the request implies for the dQ kernel
+    try:
+        want = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+    finally:
+        K.TUNE.clear()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -1,0 +1,458 @@
+"""GPU tests of hf_deltamatch.kernels at real sizes: agreement with the reference backend (same contract),
+accuracy against exact attention, and the Delta-Matching invariant at 8K/32K. Run on the H200."""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from hf_deltamatch import reference as R  # noqa: E402
+from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
+
+if torch.cuda.is_available():
+    from hf_deltamatch import kernels as K
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(B, Hq, Hkv, N, M, Dqk, Dv, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float32, generator=g).to(dtype)  # noqa: E731
+    return mk(B, Hq, N, Dqk), mk(B, Hkv, M, Dqk), mk(B, Hkv, M, Dv), mk(B, Hq, N, Dv)
+
+
+# Hopper's FP8 MMA (QGMMA) does not accumulate in full fp32 (products are summed with ~14 mantissa bits,
+# DeepSeek-V3 tech report 3.3.2), so on the GPU the fp8 kernels agree with the fp32 reference to a few 1e-3
+# rather than the interpreter's 1e-5 (tests/test_kernels.py); bf16 mode (HGMMA, fp32 accumulation) stays tight.
+FP8_TOL, BF16_TOL = 1e-2, 2e-3
+
+
+def _compare(B=1, Hq=4, Hkv=4, N=2048, M=None, Dqk=128, Dv=None, causal=True, window=None, cu=None,
+             dtype=torch.bfloat16, tol=None, **cfg):
+    M = M or N
+    Dv = Dv or Dqk
+    config = DeltaMatchConfig(**cfg)
+    tol = tol or (FP8_TOL if config.precision == "fp8" else BF16_TOL)
+    q, k, v, do = _inputs(B, Hq, Hkv, N, M, Dqk, Dv, dtype)
+    cuq = cuk = None
+    if cu is not None:
+        cuq = cuk = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    kw = dict(causal=causal, softmax_scale=Dqk ** -0.5, window=window, cu_seqlens_q=cuq, cu_seqlens_k=cuk,
+              config=config)
+    assert K.supports(q, k, v, window, config) is None
+    fk = K.forward(q, k, v, **kw)
+    fr = R.forward(q, k, v, **kw)
+    errs = {"out": _rel(fk[0], fr[0])}
+    fin = torch.isfinite(fr[1])
+    assert torch.equal(torch.isfinite(fk[1]), fin)
+    errs["lse"] = (fk[1][fin] - fr[1][fin]).abs().max().item() if fin.any() else 0.0
+    if config.precision == "fp8":
+        for i, name in ((2, "q8"), (3, "k8"), (4, "v8")):
+            errs[name + "_mismatch"] = (fk[i].float() != fr[i].float()).float().mean().item()
+        assert fk[4].stride() == fr[4].stride()  # v8 saved row-major, like the reference
+    # the backward from the SAME saved tensors (the reference's), so only the backward is compared
+    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    for name, a, b in zip(("dq", "dk", "dv"), gk, gr):
+        assert torch.isfinite(a).all(), name
+        errs[name] = _rel(a, b)
+    print(f"ERRS {config.precision}-{config.delta} B{B} H{Hq}/{Hkv} N{N} M{M} D{Dqk}/{Dv} causal={causal} "
+          f"window={window} varlen={cu is not None} block={config.block}:",
+          {k_: float(f"{v_:.3g}") for k_, v_ in errs.items()})
+    for name in ("out", "dq", "dk", "dv"):
+        assert errs[name] <= tol, (name, errs)
+    assert errs["lse"] < (1e-2 if config.precision == "fp8" else 1e-4)
+    return errs
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_dense_fp8(D, causal):
+    _compare(B=2, Hq=4, Hkv=4, N=2048, Dqk=D, causal=causal)
+
+
+@pytest.mark.parametrize("precision,delta", [("bf16", "matching"), ("fp8", "stale"), ("bf16", "stale")])
+def test_modes(precision, delta):
+    _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128, precision=precision, delta=delta)
+
+
+def test_gqa_fp16_block64_tails():
+    _compare(B=2, Hq=8, Hkv=2, N=1000, M=1500, Dqk=128, dtype=torch.float16, block=64)
+
+
+def test_mla_dims_window():
+    _compare(B=1, Hq=4, Hkv=1, N=3000, Dqk=192, Dv=128, window=700)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_varlen(window):
+    _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1000, 1001, 3000, 4096], window=window)
+
+
+def test_varlen_tma_aligned_starts():
+    """Sequence starts that are multiples of 16 tokens: the kernels read through TMA descriptors (others take
+    the pointer path, tests/test_kernels.py), tokens past the last sequence included (their q8/k8/v8 are
+    unspecified, so the *_mismatch figures printed for this case count them)."""
+    cu = torch.tensor([0, 1024, 1040, 3008], device="cuda")
+    assert K._seq_info(cu, cu, cu, cu)[5] and K._use_tma("fwd", True, 128, 128) and K._use_tma("dq", True, 128, 128)
+    _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1024, 1040, 3008], window=None)
+
+
+def test_tma_equals_pointer_paths():
+    q, k, v, do = _inputs(2, 8, 2, 4096, 4096, 128, 128, torch.bfloat16)
+    kw = dict(causal=True, softmax_scale=128 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+
+    def fwd_bwd():
+        f = K.forward(q, k, v, **kw)
+        return (*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
+
+    tma = dict(fwd_tma=True, dq_tma=True, dkdv_tma=True)
+    # where the kernels wait on their MMAs and how they read scales changes no bit
+    flipped = {o: v for k in ("fwd", "dq", "dkdv")
+               for o, v in ((f"{k}_wait_mma", not K._wait_mma(k, 128)), (f"{k}_asm_scales", not K._asm_scales(k, 128)))}
+    runs = {}
+    for name, tune in {"tma": tma, "pointers": dict(fwd_tma=False, dq_tma=False, dkdv_tma=False),
+                       "tma, MMA waits and scale loads flipped": dict(tma, **flipped)}.items():
+        K.TUNE.update(tune, dkdv_hopper=False, dq_hopper=False)  # the Triton kernels, not the Gluon ones at D=128
+        try:
+            runs[name] = fwd_bwd()
+        finally:
+            K.TUNE.clear()
+    for name in ("pointers", "tma, MMA waits and scale loads flipped"):
+        for a, b in zip(runs["tma"], runs[name]):
+            assert torch.equal(a, b), name
+    K.TUNE.update(dkdv_hopper=False, dq_hopper=False)  # and the Triton kernels against the reference at D=128
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+    finally:
+        K.TUNE.clear()
+
+
+def test_e5m2_pow2():
+    _compare(B=1, Hq=2, Hkv=2, N=2048, Dqk=128, grad_format="e5m2", scale_rounding="pow2")
+
+
+def test_non_contiguous_bshd():
+    """transformers hands (B, H, S, D) views of (B, S, H, D) tensors."""
+    B, N, H, D = 2, 1024, 4, 128
+    cfg = DeltaMatchConfig()
+    base = [torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    q, k, v, do = (t.transpose(1, 2) for t in base)
+    kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None, config=cfg)
+    fk, fr = K.forward(q, k, v, **kw), R.forward(q, k, v, **kw)
+    assert _rel(fk[0], fr[0]) < FP8_TOL
+    gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
+    for a, b in zip(gk, gr):
+        assert _rel(a, b) < FP8_TOL
+
+
+def test_against_exact_attention():
+    B, H, N, D = 1, 4, 2048, 128
+    q, k, v, do = _inputs(B, H, H, N, N, D, D, torch.bfloat16, seed=3)
+    for prec, tol_f, tol_b in (("fp8", 5e-2, 1e-1), ("bf16", 1e-2, 1e-2)):
+        cfg = DeltaMatchConfig(precision=prec)
+        kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=cfg)
+        f = K.forward(q, k, v, **kw)
+        g = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+        qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+        o.backward(do.double())
+        print("EXACT", prec, "out", _rel(f[0], o), [_rel(a, b) for a, b in zip(g, (qd.grad, kd.grad, vd.grad))])
+        assert _rel(f[0], o) < tol_f
+        for a, b in zip(g, (qd.grad, kd.grad, vd.grad)):
+            assert _rel(a, b) < tol_b, (prec, _rel(a, b))
+
+
+@pytest.mark.parametrize("N", [8192, 32768])
+def test_invariant_residual(N):
+    """sum_j dS_ij = 0 up to fp32 rounding with matching; orders of magnitude off with stale."""
+    res = _invariant(N)
+    assert res["matching"] <= 1e-5
+    assert res["stale"] > 100 * res["matching"]
+
+
+def test_correction_pass_scale_after_sum():
+    """The correction pass scaling row sums instead of every dP (TUNE dq_scale_after_sum): the same tolerances,
+    the invariant at 8K still at fp32 rounding."""
+    K.TUNE.update(dq_scale_after_sum=True)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+        _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, causal=False)
+        res = _invariant(8192)
+    finally:
+        K.TUNE.clear()
+    assert res["matching"] <= 1e-5
+
+
+def test_dkdv_lse2_and_p256():
+    """The dK/dV kernel reading the dQ kernel's LSE2 and taking P * 256 straight from exp2 (TUNE dkdv_lse2,
+    dkdv_p256): the same tolerances, full and causal, D 64, 128 and 256 (with dq_scale_after_sum), GQA, and the
+    pointer and TMA paths."""
+    K.TUNE.update(dkdv_lse2=True, dkdv_p256=True)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+        _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, causal=False)
+        K.TUNE["dq_scale_after_sum"] = True
+        _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256)
+        K.TUNE["dkdv_tma"] = True
+        _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, delta="stale")
+    finally:
+        K.TUNE.clear()
+
+
+@pytest.mark.parametrize("stages,fold,wgs64", [(2, False, {64: (2, 240)}), (3, True, {64: (2, 240)}),
+                                               (3, True, {64: (3, 160)})],
+                         ids=["s2-wg2", "s3-fold-wg2", "s3-fold-wg3"])
+def test_dkdv_hopper_kernel(stages, fold, wgs64):
+    """The Gluon dK/dV kernel (dkdv_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)
+    and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
+    order differs), causal and full, D 64 and 128, GQA; dQ is untouched. At D=64 with programs of two or three
+    warpgroups (`wgs64`; three: 192 keys, which do not divide N at 1024 or 1280)."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_fold=fold, dkdv_hopper_wgs=wgs64)
+    K.TUNE.update(dkdv_hopper=True, dq_hopper=False, **opts)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+        _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
+        _compare(B=1, Hq=4, Hkv=2, N=1280, Dqk=64)
+    finally:
+        K.TUNE.clear()
+    for errs in _gluon_vs_triton(dict(dkdv_hopper=True, dq_hopper=False), opts, seed=3):
+        assert errs[0] == 0.0 and errs[1] < 1e-3 and errs[2] < 1e-3, errs  # dQ: the same Triton kernel
+
+
+def _gluon_vs_triton(gluon, opts, seed):
+    """[(dq, dk, dv) relative errors] of the backward with the Gluon kernel(s) TUNE `gluon` switches on, against the
+    Triton kernels reading the same dS scales, from the same saved tensors: causal GQA and the full mask at D=128,
+    causal and full at D=64, also at N that the forward's three warpgroups (192 queries) do not divide."""
+    out = []
+    for B, Hq, Hkv, N, D, causal in ((2, 4, 2, 2048, 128, True), (1, 4, 4, 1024, 128, False),
+                                     (1, 4, 4, 1024, 64, True), (2, 4, 2, 1280, 64, True),
+                                     (1, 2, 2, 1152, 64, False)):
+        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=seed)
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        case = dict(fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=False, window=None, n=N, m=N,
+                    device=q.device, lse2_in=True, p_shift=8)
+        f = K.forward(q, k, v, **kw)
+        grads = {}
+        for name, tune in (("triton", dict(dkdv_ds_scales=True, dkdv_hopper=False, dq_hopper=False)),
+                           ("gluon", gluon)):
+            K.TUNE.update(tune, **opts)
+            try:  # the Gluon run must not fall back to Triton, or the comparison proves nothing
+                assert (K._dkdv_hopper(D, **case) or K._dq_hopper(D, stale=False, **case)) == (name == "gluon")
+                grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+            finally:
+                K.TUNE.clear()
+        errs = [_rel(a, b) for a, b in zip(grads["gluon"], grads["triton"])]
+        print("GLUON vs TRITON", gluon, B, Hq, Hkv, N, D, causal, opts, errs)
+        out.append(errs)
+    return out
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_dq_hopper_kernel(stages):
+    """The Gluon dQ kernel with the correction pass (dq_hopper.py, TUNE dq_hopper), alone and with the Gluon
+    dK/dV kernel, against the reference (the same tolerances) and against _bwd_dq_kernel (the same arithmetic;
+    the dK/dV kernel reads the delta, LSE2 and dS scales it writes), causal and full, D 64 and 128, GQA, pow2
+    scales; the invariant at 8K (D=128) and 2K (D=64)."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    opts = dict(dq_hopper_stages=stages)
+    K.TUNE.update(dq_hopper=True, dkdv_hopper=False, **opts)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+        _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False, scale_rounding="pow2")
+        K.TUNE["dkdv_hopper"] = True
+        _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, causal=False)
+        _compare(B=1, Hq=4, Hkv=2, N=1280, Dqk=64)
+        res = _invariant(8192)
+        res64 = _invariant(2048, D=64)
+    finally:
+        K.TUNE.clear()
+    assert res["matching"] <= 1e-5 and res64["matching"] <= 1e-5
+    for errs in _gluon_vs_triton(dict(dq_hopper=True, dkdv_hopper=False), opts, seed=4):
+        assert max(errs) < 1e-3, errs
+
+
+@pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240)))],
+                         ids=["d128", "d64", "d64-wg-swap"])
+@pytest.mark.parametrize("cu", [[0, 1000, 1001, 3000, 4096], [0, 64, 64, 192, 1301, 2720]])
+def test_hopper_packed(cu, D, tune):
+    """The Gluon kernels on packed batches (kernels/segments.py: each sequence padded to a multiple of 128 rows,
+    outputs to the packed rows) against the Triton kernels on the same inputs and saved tensors (the forward bit
+    for bit, as on dense batches; the backward within the dense Gluon tests' 1e-3), and against the reference.
+    Sequences of 1, 64 and 128 tokens, an empty one, and (second case) tokens after the last sequence, whose
+    outputs stay 0 (LSE -inf); GQA and MHA; D=128 and D=64 (where packed batches take the Gluon forward and dQ
+    kernels that dense ones do not), with the other choice of two or three warpgroups for the forward and dK/dV
+    (`tune`)."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernels are written against Triton 3.6's Gluon API")
+    N = 4096
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    end = cu[-1]
+    for Hq, Hkv in ((4, 2), (4, 4)):
+        q, k, v, do = _inputs(1, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=7)
+        kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
+                  config=DeltaMatchConfig())
+        case = dict(fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=True, window=None, n=N, m=N,
+                    device=q.device, lse2_in=True, p_shift=8, packed=True)
+        runs = {}
+        for name, opts in (("gluon", tune), ("triton", dict(hopper_packed=False))):
+            K.TUNE.update(opts)
+            try:  # the Gluon run must take the Gluon kernels, or the comparison proves nothing
+                assert K._fwd_hopper(D, **{k_: case[k_] for k_ in ("fp8", "dqk", "dv", "block", "varlen", "window",
+                                                                    "n", "m", "device", "packed")}) \
+                    == K._dkdv_hopper(D, **case) == K._dq_hopper(D, stale=False, **case) == (name == "gluon")
+                f = K.forward(q, k, v, **kw)
+                runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
+            finally:
+                K.TUNE.clear()
+        (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
+        print("GLUON PACKED FWD vs TRITON", cu, Hq, Hkv, _rel(fg[0][:, :, :end], ft[0][:, :, :end]),
+              (fg[1][:, :, :end] - ft[1][:, :, :end]).abs().max().item())
+        assert torch.equal(fg[0], ft[0]) and torch.equal(fg[1], ft[1]), "forward"
+        for a, b in zip(fg[2:], ft[2:]):  # the saved tensors: the same quantization
+            assert torch.equal(a.float(), b.float())
+        errs = [_rel(a[:, :, :end], b[:, :, :end]) for a, b in zip(gg, gt)]
+        print("GLUON PACKED vs TRITON", cu, Hq, Hkv, errs)
+        assert max(errs) < 1e-3, errs
+        for t in (*fg[:1], *gg):
+            assert torch.isfinite(t).all() and not t[:, :, end:].float().any()
+        assert (fg[1][:, :, end:] == float("-inf")).all()
+    K.TUNE.update(tune)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu)  # the Gluon path against the reference
+    finally:
+        K.TUNE.clear()
+
+
+@pytest.mark.parametrize("stages,wgs64", [(2, (3, 160)), (3, (3, 160)), (2, (2, 240))],
+                         ids=["s2-wg3", "s3-wg3", "s2-wg2"])
+def test_fwd_hopper_kernel(stages, wgs64):
+    """The Gluon forward (fwd_hopper.py, TUNE fwd_hopper; on at D=128) against the
+    reference (the same tolerances) and against _fwd_kernel on the same inputs (the same arithmetic): causal
+    GQA and the full mask at D=128, causal and full at D=64 with programs of two or three warpgroups (`wgs64`;
+    three: 192 queries, which do not divide N, so the last block's rows past N are masked)."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    tune = dict(fwd_hopper=True, fwd_hopper_stages=stages)
+    K.TUNE.update(tune)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+        K.TUNE["fwd_hopper_wgs"] = wgs64
+        _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
+    finally:
+        K.TUNE.clear()
+    for B, Hq, Hkv, N, D, causal in ((2, 4, 2, 2048, 128, True), (1, 4, 4, 1024, 128, False),
+                                     (1, 4, 4, 1024, 64, True), (2, 4, 2, 1280, 64, True),
+                                     (1, 2, 2, 1152, 64, False)):
+        if D == 64:
+            tune["fwd_hopper_wgs"] = wgs64
+        q, k, v, _ = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=5)
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        outs = {}
+        for name, on in (("triton", False), ("gluon", True)):
+            K.TUNE.update(tune, fwd_hopper=on)
+            try:  # the Gluon run must not fall back to Triton, or the comparison proves nothing
+                assert K._fwd_hopper(D, fp8=True, dqk=D, dv=D, block=128, varlen=False, window=None, n=N, m=N,
+                                     device=q.device) == on
+                outs[name] = K.forward(q, k, v, **kw)
+            finally:
+                K.TUNE.clear()
+        err = _rel(outs["gluon"][0], outs["triton"][0])
+        lse_err = (outs["gluon"][1] - outs["triton"][1]).abs().max().item()
+        print("GLUON FWD vs TRITON", B, Hq, Hkv, N, D, causal, stages, err, lse_err)
+        assert err < 1e-3 and lse_err < 1e-4, (err, lse_err)
+        for a, b in zip(outs["gluon"][2:], outs["triton"][2:]):  # the saved q8, k8, v8 and scales
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dkdv", [(8, 1), (8, 2)])
+def test_head_dim_256_configs_and_split_dkdv(dkdv):
+    """D > 128 with the launch configs timed in run 2137 and dK/dV split into a dV and a dK launch (TUNE
+    dkdv_split): the same tolerances, causal and full, GQA, MLA's 192/128, and the stale delta."""
+    K.TUNE.update(fwd=(64, 8, 3), dq=(128, 8, 1), dkdv=dkdv, dkdv_split=True)
+    try:
+        _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256)
+        _compare(B=1, Hq=4, Hkv=2, N=1500, Dqk=256, causal=False)
+        _compare(B=1, Hq=4, Hkv=1, N=1000, Dqk=192, Dv=128, delta="stale")
+    finally:
+        K.TUNE.clear()
+
+
+def test_head_dim_256_bf16_mode():
+    """bf16 mode at D=256 (and MLA's 192/128) with its own launch configs: bf16 tiles take twice the shared
+    memory of fp8 ones."""
+    _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256, precision="bf16")
+    _compare(B=1, Hq=4, Hkv=1, N=1000, Dqk=192, Dv=128, precision="bf16", causal=False)
+
+
+def _invariant(N, D=128):
+    """{delta mode: ||sum_j dS_ij|| / ||sum_j |dS_ij||| over rows} at N keys, head dim D, causal."""
+    B, H = 1, 2
+    q, k, v, do = _inputs(B, H, H, N, N, D, D, torch.bfloat16, seed=1)
+    res = {}
+    for delta in ("matching", "stale"):
+        cfg = DeltaMatchConfig(delta=delta)
+        kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=cfg)
+        f = K.forward(q, k, v, **kw)
+        *_, rs, ra = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, return_row_sums=True)
+        # aggregate over rows: a row with one visible key has dS ~ 1e-7 * dP and |rs| = ra trivially
+        res[delta] = (rs.norm() / ra.norm().clamp_min(1e-30)).item()
+    print("INVARIANT", N, dict(K.TUNE), res)
+    return res
+
+
+def test_long_65536_runs():
+    B, H, N, D = 1, 4, 65536, 128
+    q, k, v, do = _inputs(B, H, H, N, N, D, D, torch.bfloat16, seed=2)
+    kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    f = K.forward(q, k, v, **kw)
+    g = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+    assert all(torch.isfinite(t).all() for t in (f[0], *g))
+
+
+def test_tokens_outside_sequences_are_zero_and_tma_matches_pointers():
+    """Saved q8/k8/v8 hold 0 outside every sequence in both backends (docs/numerics.md): the TMA tiles that run
+    past a sequence's end read them (uninitialized memory there once made dQ NaN on the H200). The TMA paths
+    then agree bit for bit with the pointer loads, from either backend's saved tensors."""
+    g = torch.Generator(device="cpu").manual_seed(5)
+    N, D = 3000, 128
+    q, k, v, do = (torch.randn(1, 4, N, D, generator=g).to(torch.bfloat16).to("cuda") for _ in range(4))
+    cu = torch.tensor([0, 1024, 1040, 2720], dtype=torch.int32, device="cuda")
+    kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu, cu_seqlens_k=cu,
+              config=DeltaMatchConfig())
+    for backend in (R, K):
+        f = backend.forward(q, k, v, **kw)
+        for t in f[2:5]:
+            assert not t[:, :, 2720:].float().any()
+        results = []
+        for tma in (True, False):
+            # the Triton kernels' two paths (the Gluon ones take packed batches by default: test_hopper_packed)
+            K.TUNE.update(fwd_tma=tma, dq_tma=tma, dkdv_tma=tma, hopper_packed=False)
+            try:
+                assert K._seq_info(q, k, cu, cu)[5]
+                out = K.forward(q, k, v, **kw)[:2]
+                grads = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+            finally:
+                K.TUNE.clear()
+            results.append([out[0][:, :, :2720], out[1][:, :, :2720], *grads])
+        for a, b in zip(*results):
+            assert torch.isfinite(a).all() and torch.equal(a, b)
