@@ -5,9 +5,11 @@
 #
 # Profiles one fwd+bwd per shape (after a warm-up call that compiles everything; only the profiled call is
 # between cudaProfilerStart/Stop) with `--set full` and the clocks left alone (METHOD.md), then writes under OUT,
-# per shape: ncu-SHAPE.ncu-rep (the report, for the Nsight Compute GUI), ncu-SHAPE-details.txt (every section of
-# every kernel) and ncu-SHAPE-source-KERNEL.csv (per SASS instruction: warp stall samples by reason, instructions
-# executed). Needs a machine whose runtime exposes the hardware counters (KINDS.md: Firecracker).
+# per shape: ncu-SHAPE-details.txt (every section of every kernel), ncu-SHAPE-source.tar.gz (per kernel,
+# ncu-SHAPE-source-KERNEL.csv.gz: per SASS instruction, warp stall samples by reason and instructions executed;
+# read them with benchmarks/ncu_stalls.py) and ncu-SHAPE.log; with NCU_KEEP_REPORT=1 also ncu-SHAPE.ncu-rep (the
+# report for the Nsight Compute GUI, ~11 MB). Three files per shape: the device tool returns few files per call.
+# Needs a machine whose runtime exposes the hardware counters (KINDS.md: Firecracker).
 # NCU_KERNELS: the kernel-name regex (default: every kernel but the quantize/copy ones).
 set -eu
 OUT="$1"; shift
@@ -25,8 +27,10 @@ for shape in "${@:-d128-causal}"; do
              _bwd_dkdv_hopper_kernel; do
         f="$OUT/ncu-$shape-source-$k.csv"
         ncu -i "$OUT/ncu-$shape.ncu-rep" -k "$k" --page source --csv --print-source sass > "$f" 2>&1 || true
-        [ "$(wc -l < "$f")" -gt 5 ] || rm -f "$f"  # not in this shape's run
+        if [ "$(wc -l < "$f")" -gt 5 ]; then gzip -f "$f"; else rm -f "$f"; fi  # rm: not in this shape's run
     done
+    (cd "$OUT" && tar czf "ncu-$shape-source.tar.gz" ncu-"$shape"-source-*.csv.gz && rm -f ncu-"$shape"-source-*.csv.gz)
+    [ "${NCU_KEEP_REPORT:-0}" = 1 ] || rm -f "$OUT/ncu-$shape.ncu-rep"
     grep -E '^  [_a-z]|Duration|Warp Cycles Per Issued|Issue Slots Busy|Issued Ipc|Stall|Registers Per' \
         "$OUT/ncu-$shape-details.txt" | head -80
 done

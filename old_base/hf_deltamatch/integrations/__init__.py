@@ -1,1 +1,0 @@
-"""Thin glue between hf_deltamatch and other libraries."""
