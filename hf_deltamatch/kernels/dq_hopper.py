@@ -50,11 +50,12 @@ def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v
 
 
 @gluon.jit
-def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
-                s_acc, dp_acc, delta, sk_t, sv_t, MASKED: gl.constexpr, STAGES: gl.constexpr,
-                SCALE_AFTER_SUM: gl.constexpr):
-    """Pass 1 on key tile u: delta += rowsum(P * dP). sk_t, sv_t: its scales; returns the next tile's (pass 2's
-    first after the last): loaded a tile ahead, they no longer leave the warps waiting on L2 (ncu run 0733)."""
+def _p_dp(q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
+          kv_row, MASKED: gl.constexpr, WRAP: gl.constexpr, STAGES: gl.constexpr):
+    """Key tile j (sk_t, sv_t: its scales), the ring's load u: P = exp2(S * s_f - LSE2), masked on the diagonal
+    tile, dP unscaled and its scale. Also returns the next key tile's scales (WRAP: after the last, the first's),
+    loaded under the MMAs: read in the tile they were loaded for, they left the warps waiting on L2 (ncu run
+    0733)."""
     s_layout: gl.constexpr = s_acc.type.layout
     s = u % STAGES
     mbarrier.wait(ready.index(s), (u // STAGES) & 1)
@@ -62,16 +63,31 @@ def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, 
     dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
     s_f = row_f * sk_t
     dpf = dp_f * sv_t
-    ahead = kv_row + gl.where(u + 1 < n_k, u + 1, 0) * BLOCK_N
+    if WRAP:
+        ahead = kv_row + gl.where(j + 1 < n_k, j + 1, 0) * BLOCK_N
+    else:
+        ahead = kv_row + gl.minimum(j + 1, n_k - 1) * BLOCK_N
     sk_t = gl.load(SK + ahead)
     sv_t = gl.load(SV + ahead)
     s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S done; dP's MMA runs under the exponentials
     # the mask on P, not on S: the scale and LSE2 then fuse into one FFMA per score on every tile
     p = gl.exp2(s_acc * s_f - lse2[:, None])
     if MASKED:  # the program's diagonal key tile (N = M: top-left = bottom-right)
-        keys = u * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
     dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
+    return s_acc, p, dp_acc, dpf, sk_t, sv_t, s
+
+
+@gluon.jit
+def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
+                s_acc, dp_acc, delta, sk_t, sv_t, MASKED: gl.constexpr, STAGES: gl.constexpr,
+                SCALE_AFTER_SUM: gl.constexpr):
+    """Pass 1 on key tile u: delta += rowsum(P * dP). sk_t, sv_t: its scales; returns the next tile's (after the
+    last, pass 2's first)."""
+    s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
+        q_sub, do_sub, k_smem, v_smem, ready, u, u, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
+        kv_row, MASKED, True, STAGES)
     mbarrier.arrive(empty.index(s))
     if SCALE_AFTER_SUM:  # the tile's dP scale on its row sums, not on each dP: one FMUL per score less
         delta += gl.sum(p * dp_acc, 1) * dpf
@@ -84,27 +100,13 @@ def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, 
 def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
              lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, MASKED: gl.constexpr,
              STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr):
-    """Pass 2 on key tile j: dS, its tile scale (stored for the dK/dV kernel) and dQ += dS8 k8; the next tile's
-    scales loaded a tile ahead, as in _delta_tile."""
-    s_layout: gl.constexpr = s_acc.type.layout
+    """Pass 2 on key tile j: dS, its tile scale (stored for the dK/dV kernel) and dQ += dS8 k8. sk_t, sv_t: its
+    scales; returns the next tile's."""
     a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
-    u = n_k + j
-    s = u % STAGES
-    mbarrier.wait(ready.index(s), (u // STAGES) & 1)
-    s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-    dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
-    s_f = row_f * sk_t
-    dpf = dp_f * sv_t
     c = sk_t  # times sds below
-    ahead = kv_row + gl.minimum(j + 1, n_k - 1) * BLOCK_N
-    sk_t = gl.load(SK + ahead)
-    sv_t = gl.load(SV + ahead)
-    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))
-    p = gl.exp2(s_acc * s_f - lse2[:, None])
-    if MASKED:
-        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-        p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
-    dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
+    s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
+        q_sub, do_sub, k_smem, v_smem, ready, n_k + j, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows,
+        SK, SV, kv_row, MASKED, False, STAGES)
     ds = p * (dp_acc * dpf - delta[:, None])
     if ROW_SUMS:
         rs += gl.sum(ds, 1)
