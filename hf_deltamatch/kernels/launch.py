@@ -194,12 +194,17 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
 DKDV_HOPPER_HEAD_DIMS = (64, 128)
 DKDV_HOPPER_STAGES = 3
 DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta: 1.55 -> 1.51 ms at D=128 causal with 3 stages
+DKDV_HOPPER_PINGPONG = 0  # as DQ_HOPPER_PINGPONG (2: S^T, dP^T, dV's and dK's MMAs), with two warpgroups only
 # MMA warpgroups per program (64 keys each) and their registers, by head dim (as FWD_HOPPER_WARPGROUPS): three at
 # D=64, where the kernel needs under 128 registers (H200, run 0537: N=8192 causal 2.08 -> 1.76 ms, the packed batch
 # of kernel_breakdown.py 1.66 -> 1.27); at D=128 the dK and dV accumulators alone take 128
 DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
+# The two MMA warpgroups take turns to issue their MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
+# exponentials run under the other's MMAs instead of both contending for the SFU at once: 0 never, 1 the S and dP
+# MMAs, 2 those and dQ's
+DQ_HOPPER_PINGPONG = 0
 # Always two MMA warpgroups (64 queries each): three spilled with the full 128-key tile (run 0527: 2.73 vs 2.55 ms
 # at D=64) and, with the second pass in 64-key halves (no spills), were no faster (run 0625: 2.52 vs 2.51 ms dense
 # D=64, 1.865 vs 1.859 packed); commit 6f8193a has that version
@@ -279,6 +284,7 @@ def _dkdv_hopper_cfg(d: int) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
+                pingpong=int(TUNE.get("dkdv_hopper_pingpong", DKDV_HOPPER_PINGPONG)),
                 **_warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS))
 
 
@@ -290,8 +296,10 @@ def _fwd_hopper_cfg(d: int) -> dict:
 
 
 def _dq_hopper_cfg() -> dict:
-    """dq_hopper.dq_hopper's options: DQ_HOPPER_STAGES or TUNE["dq_hopper_stages"]."""
-    return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)))
+    """dq_hopper.dq_hopper's options: DQ_HOPPER_STAGES and DQ_HOPPER_PINGPONG, or TUNE["dq_hopper_stages"],
+    TUNE["dq_hopper_pingpong"]."""
+    return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)),
+                pingpong=int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG)))
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
