@@ -19,7 +19,7 @@ from ._fp8 import INTERPRET
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong" / "dkdv_hopper_pingpong": 0, 1, 2 (see
-# DQ_HOPPER_PINGPONG), "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
+# DQ_HOPPER_PINGPONG), "dq_hopper_poly": 0, 4, 8 (DQ_HOPPER_POLY), "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
 # "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
 # {head dim: that} (see FWD_HOPPER_WARPGROUPS),
 # "hopper_packed": True / False for the Gluon kernels on packed batches (see _hopper_case)}.
@@ -28,7 +28,8 @@ TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs",
-              "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong", "dkdv_hopper_pingpong"}
+              "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong", "dkdv_hopper_pingpong",
+              "dq_hopper_poly"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -206,6 +207,8 @@ DQ_HOPPER_STAGES = 3
 # exponentials run under the other's MMAs instead of both contending for the SFU at once: 0 never, 1 the S and dP
 # MMAs, 2 those and dQ's
 DQ_HOPPER_PINGPONG = 0
+# One exponential in DQ_HOPPER_POLY (4 or 8; 0 none) on the FMA pipe instead of the MUFU (_gluon.exp2_share)
+DQ_HOPPER_POLY = 0
 # Always two MMA warpgroups (64 queries each): three spilled with the full 128-key tile (run 0527: 2.73 vs 2.55 ms
 # at D=64) and, with the second pass in 64-key halves (no spills), were no faster (run 0625: 2.52 vs 2.51 ms dense
 # D=64, 1.865 vs 1.859 packed); commit 6f8193a has that version
@@ -300,7 +303,8 @@ def _dq_hopper_cfg() -> dict:
     """dq_hopper.dq_hopper's options: DQ_HOPPER_STAGES and DQ_HOPPER_PINGPONG, or TUNE["dq_hopper_stages"],
     TUNE["dq_hopper_pingpong"]."""
     return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)),
-                pingpong=int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG)))
+                pingpong=int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG)),
+                poly=int(TUNE.get("dq_hopper_poly", DQ_HOPPER_POLY)))
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
