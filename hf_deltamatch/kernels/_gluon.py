@@ -3,7 +3,6 @@ descriptors over our FP8 and row tensors, the grid order, fp8 operands from accu
 3.6's Gluon API (launch._hopper_case checks)."""
 
 import functools
-import struct
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -87,53 +86,6 @@ def tile_scale(amax, FMAX: gl.constexpr, POW2: gl.constexpr):
     if POW2:
         scale = ((scale.to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(gl.float32, bitcast=True)
     return gl.where(amax > 0, scale, 1.0)
-
-
-# 2^f on [-0.5, 0.5], degree 5 (a relative-error fit): at most 2.3e-7 relative error in fp32 Horner steps, about
-# ex2.approx's own (2^-22), so the scores it takes keep fp32 accuracy (DESIGN.md §2: P in fp32)
-EXP2_POLY = (1.0000001192092896, 0.6931469440460205, 0.24022120237350464, 0.05550713092088699,
-             0.009675541892647743, 0.001327647129073739)
-
-
-def _f32(v):
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
-
-
-def _exp2_share_asm(every):
-    """PTX for exp2 of `every` fp32 values of a thread (inline_asm_elementwise, pack=every): the first every-1 on
-    the MUFU (ex2.approx.ftz, as gl.exp2), the last on the FMA pipe (FlashAttention-4's trick): 2^x = 2^n 2^f with
-    n = round(x) (the 1.5 * 2^23 add), f = x - n, 2^f by EXP2_POLY and n added to its exponent bits; below -126
-    the MUFU's flush to zero."""
-    x = f"${2 * every - 1}"
-    c = [_f32(v) for v in EXP2_POLY]
-    lines = [f"ex2.approx.ftz.f32 ${k}, ${every + k};" for k in range(every - 1)] + [
-        "{", ".reg .b32 x, t, f, p;", ".reg .pred lo;",
-        f"max.f32 x, {x}, 0fC2FC0000;", "add.rn.f32 t, x, 0f4B400000;", "sub.rn.f32 f, t, 0f4B400000;",
-        "sub.rn.f32 f, x, f;", f"fma.rn.f32 p, f, {c[5]}, {c[4]};", f"fma.rn.f32 p, p, f, {c[3]};",
-        f"fma.rn.f32 p, p, f, {c[2]};", f"fma.rn.f32 p, p, f, {c[1]};", f"fma.rn.f32 p, p, f, {c[0]};",
-        "shl.b32 t, t, 23;", "add.s32 p, p, t;", f"setp.lt.f32 lo, {x}, 0fC2FC0000;",
-        f"selp.b32 ${every - 1}, 0, p, lo;", "}"]
-    return "\n".join(lines)
-
-
-_EXP2_SHARE_ASM_4 = gl.constexpr(_exp2_share_asm(4))
-_EXP2_SHARE_ASM_8 = gl.constexpr(_exp2_share_asm(8))
-_PACK_CONSTRAINTS_4 = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 4))
-_PACK_CONSTRAINTS_8 = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 8))
-
-
-@gluon.jit
-def exp2_share(x, EVERY: gl.constexpr):
-    """gl.exp2(x) with one value in EVERY (4 or 8; 0: none) of each thread computed on the FMA pipe instead of the
-    MUFU, whose 16 results per cycle per SM the backward's four exponentials per score keep busy (ncu run 0733:
-    29 % of the dQ kernel's busy samples on MUFU.EX2). The same x in the same layout gives the same values, so the
-    two passes of the dQ kernel see the same P."""
-    if EVERY == 4:
-        return gl.inline_asm_elementwise(_EXP2_SHARE_ASM_4, _PACK_CONSTRAINTS_4, [x], gl.float32, True, 4)
-    elif EVERY == 8:
-        return gl.inline_asm_elementwise(_EXP2_SHARE_ASM_8, _PACK_CONSTRAINTS_8, [x], gl.float32, True, 8)
-    else:
-        return gl.exp2(x)
 
 
 # One element per thread of a 4-warp partition: inline asm over it runs once per thread

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _ring_barriers, _row_desc,
-    _segment, fp8_a_layout, fp8_operand, mma_layout, pass_turn, tma_load, wait_turn,
+    _segment, fp8_a_layout, fp8_operand, mma_layout, tma_load,
 )
 
 
@@ -81,20 +81,15 @@ def _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk):
 @gluon.jit
 def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
           bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv, masked,
-          CAUSAL: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+          CAUSAL: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr):
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
     AHEAD: sq_t, sdo_t, sds (the tile's q8, dO8 and dS scales) were loaded a tile ahead by the caller; else they
-    are loaded here, under the MMAs. PINGPONG: the warpgroups take turns to issue S^T and dP^T's MMAs (1) or
-    every MMA (2): dq_hopper.py."""
+    are loaded here, under the MMAs."""
     s_layout: gl.constexpr = s_acc.type.layout
     a_layout: gl.constexpr = fp8_a_layout(dk.type.layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    if PINGPONG:
-        wait_turn(WG)
     s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
     dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
-    if PINGPONG:
-        pass_turn(WG)
     if not AHEAD:
         row = bh * N + m0
         sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
@@ -117,11 +112,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     dv = dv * (c_dv / cv)
     c_dv = cv
     p8 = fp8_operand(p256, a_layout)
-    if PINGPONG == 2:
-        wait_turn(WG)
     dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
-    if PINGPONG == 2:
-        pass_turn(WG)
     dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
     ck = sds * sq_t
     dk = dk * (c_dk / ck)
@@ -133,11 +124,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     else:
         ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
     ds8 = fp8_operand(ds_r, a_layout)
-    if PINGPONG == 2:
-        wait_turn(WG)
     dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
-    if PINGPONG == 2:
-        pass_turn(WG)
     # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
     # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
     # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
@@ -149,8 +136,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
 def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
                    SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    key_end, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
-                   PINGPONG: gl.constexpr):
+                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     kb = n0 + WG * 64  # this warpgroup's first key
@@ -190,9 +176,6 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         DSS_G = DSS + (bh0 * dss_tq + lo // BLOCK_M) * dss_tk + dss_col
         sq_n, sdo_n, sds_n = _tile_scales(SQ_G, SDO_G, DSS_G, g, i, N, dss_tq, dss_tk)
     mbarrier.wait(kv_bar, 0)
-    if PINGPONG:  # two warpgroups, the same query tiles: warpgroup 0 issues first
-        if WG == 1:
-            pass_turn(WG)
     for t in range(GROUPS * n_q):
         if GROUPS == 1:
             g = 0
@@ -213,20 +196,17 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
-                i < 2, CAUSAL, FOLD, GROUPS > 1, WG, PINGPONG)
+                i < 2, CAUSAL, FOLD, GROUPS > 1)
         else:
             if i >= first:  # the diagonal tile is this warpgroup's first
                 s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
                     k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys,
                     col_f, dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv,
-                    c_dk, c_dv, i == first, CAUSAL, FOLD, GROUPS > 1, WG, 0)
+                    c_dk, c_dv, i == first, CAUSAL, FOLD, GROUPS > 1)
         mbarrier.arrive(empty.index(s))  # this stage's tiles are read
         if GROUPS > 1:
             g = g1
             i = i1
-    if PINGPONG:
-        if WG == 0:  # the turn warpgroup 1 passed with its last MMAs: every named-barrier arrive is consumed
-            wait_turn(WG)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
@@ -246,7 +226,7 @@ def _bwd_dkdv_hopper_kernel(
     k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
-    VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr, PINGPONG: gl.constexpr,
+    VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr,
 ):
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
     # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
@@ -294,11 +274,11 @@ def _bwd_dkdv_hopper_kernel(
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PINGPONG)),
+                              WGS)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PINGPONG)),
+                              WGS)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -317,15 +297,15 @@ def _bwd_dkdv_hopper_kernel(
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, 0)),
+                              WGS)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f1, dp_f1, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, 0)),
+                              WGS)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f2, dp_f2, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 2, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, 0)),
+                              WGS)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -333,10 +313,10 @@ def _bwd_dkdv_hopper_kernel(
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
-                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, pingpong, segments=None):
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, segments=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
-    registers; `pingpong`: two warpgroups only). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded
+    registers). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded
     layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
@@ -348,5 +328,5 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, PINGPONG=int(pingpong) if warpgroups == 2 else 0, num_warps=4,
+        WGS=warpgroups, REGS=regs, num_warps=4,
     )

@@ -23,7 +23,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, _segment,
-    exp2_share, fp8_a_layout, fp8_operand, mma_layout, pass_turn, tile_scale, tma_load, wait_turn,
+    fp8_a_layout, fp8_operand, mma_layout, pass_turn, tile_scale, tma_load, wait_turn,
 )
 
 
@@ -52,7 +52,7 @@ def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v
 @gluon.jit
 def _p_dp(q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
           kv_row, MASKED: gl.constexpr, WRAP: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-          PINGPONG: gl.constexpr, POLY: gl.constexpr):
+          PINGPONG: gl.constexpr):
     """Key tile j (sk_t, sv_t: its scales), the ring's load u: P = exp2(S * s_f - LSE2), masked on the diagonal
     tile, dP unscaled and its scale. Also returns the next key tile's scales (WRAP: after the last, the first's),
     loaded under the MMAs: read in the tile they were loaded for, they left the warps waiting on L2 (ncu run
@@ -76,7 +76,7 @@ def _p_dp(q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f,
     sv_t = gl.load(SV + ahead)
     s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S done; dP's MMA runs under the exponentials
     # the mask on P, not on S: the scale and LSE2 then fuse into one FFMA per score on every tile
-    p = exp2_share(s_acc * s_f - lse2[:, None], POLY)
+    p = gl.exp2(s_acc * s_f - lse2[:, None])
     if MASKED:  # the program's diagonal key tile (N = M: top-left = bottom-right)
         keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
@@ -87,13 +87,12 @@ def _p_dp(q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f,
 @gluon.jit
 def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
                 s_acc, dp_acc, delta, sk_t, sv_t, MASKED: gl.constexpr, STAGES: gl.constexpr,
-                SCALE_AFTER_SUM: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
-                POLY: gl.constexpr):
+                SCALE_AFTER_SUM: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Pass 1 on key tile u: delta += rowsum(P * dP). sk_t, sv_t: its scales; returns the next tile's (after the
     last, pass 2's first)."""
     s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
         q_sub, do_sub, k_smem, v_smem, ready, u, u, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
-        kv_row, MASKED, True, STAGES, WG, PINGPONG, POLY)
+        kv_row, MASKED, True, STAGES, WG, PINGPONG)
     mbarrier.arrive(empty.index(s))
     if SCALE_AFTER_SUM:  # the tile's dP scale on its row sums, not on each dP: one FMUL per score less
         delta += gl.sum(p * dp_acc, 1) * dpf
@@ -106,14 +105,14 @@ def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, 
 def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
              lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, MASKED: gl.constexpr,
              STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr, WG: gl.constexpr,
-             PINGPONG: gl.constexpr, POLY: gl.constexpr):
+             PINGPONG: gl.constexpr):
     """Pass 2 on key tile j: dS, its tile scale (stored for the dK/dV kernel) and dQ += dS8 k8. sk_t, sv_t: its
     scales; returns the next tile's."""
     a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
     c = sk_t  # times sds below
     s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
         q_sub, do_sub, k_smem, v_smem, ready, n_k + j, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows,
-        SK, SV, kv_row, MASKED, False, STAGES, WG, PINGPONG, POLY)
+        SK, SV, kv_row, MASKED, False, STAGES, WG, PINGPONG)
     ds = p * (dp_acc * dpf - delta[:, None])
     if ROW_SUMS:
         rs += gl.sum(ds, 1)
@@ -141,8 +140,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
                    SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
                    dss_tk, dss_col0, out0, length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
-                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
-                   POLY: gl.constexpr):
+                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -169,11 +167,11 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     for u in range(n_plain):  # pass 1: delta = rowsum(P * dP), the correction pass
         s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
             q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows, s_acc,
-            dp_acc, delta, sk_t, sv_t, False, STAGES, SCALE_AFTER_SUM, WG, PINGPONG, POLY)
+            dp_acc, delta, sk_t, sv_t, False, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
     if CAUSAL:
         s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
             q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
-            s_acc, dp_acc, delta, sk_t, sv_t, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG, POLY)
+            s_acc, dp_acc, delta, sk_t, sv_t, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
     rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
@@ -183,12 +181,12 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
         s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
             q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
             lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, False, STAGES, FMAX, POW2, ROW_SUMS,
-            WG, PINGPONG, POLY)
+            WG, PINGPONG)
     if CAUSAL:
         s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
             q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
             dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, True, STAGES, FMAX, POW2, ROW_SUMS,
-            WG, PINGPONG, POLY)
+            WG, PINGPONG)
     if PINGPONG:
         if WG == 0:  # the turn warpgroup 1 passed with its last MMAs: every named-barrier arrive is consumed
             wait_turn(WG)
@@ -213,7 +211,7 @@ def _bwd_dq_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
-    VARLEN: gl.constexpr, PINGPONG: gl.constexpr, POLY: gl.constexpr,
+    VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
     base, length, start = _segment(CU, PCU, N, VARLEN)
@@ -245,18 +243,18 @@ def _bwd_dq_hopper_kernel(
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
                           dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS,
-                          VARLEN, PINGPONG, POLY)),
+                          VARLEN, PINGPONG)),
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
                           dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
-                          ROW_SUMS, VARLEN, PINGPONG, POLY)),
+                          ROW_SUMS, VARLEN, PINGPONG)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
                    empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D)),
     ], [4, 1], [240, 24])
 
 
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
-              dss_tq, dss_tk, grid, n_tiles, head_group, stages, pingpong, poly, scale_after_sum, fmax, pow2, row_sums,
+              dss_tq, dss_tk, grid, n_tiles, head_group, stages, pingpong, scale_after_sum, fmax, pow2, row_sums,
               segments=None):
     """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
     the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
@@ -269,6 +267,5 @@ def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, 
         _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
         dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
-        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong),
-        POLY=int(poly), num_warps=4,
+        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong), num_warps=4,
     )

@@ -18,8 +18,8 @@ from ._fp8 import INTERPRET
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
-# "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong" / "dkdv_hopper_pingpong": 0, 1, 2 (see
-# DQ_HOPPER_PINGPONG), "dq_hopper_poly": 0, 4, 8 (DQ_HOPPER_POLY), "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
+# "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong": 0, 1, 2 (see DQ_HOPPER_PINGPONG),
+# "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
 # "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
 # {head dim: that} (see FWD_HOPPER_WARPGROUPS),
 # "hopper_packed": True / False for the Gluon kernels on packed batches (see _hopper_case)}.
@@ -28,8 +28,7 @@ TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs",
-              "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong", "dkdv_hopper_pingpong",
-              "dq_hopper_poly"}
+              "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -196,7 +195,6 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
 DKDV_HOPPER_HEAD_DIMS = (64, 128)
 DKDV_HOPPER_STAGES = 3
 DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta: 1.55 -> 1.51 ms at D=128 causal with 3 stages
-DKDV_HOPPER_PINGPONG = 0  # as DQ_HOPPER_PINGPONG (2: S^T, dP^T, dV's and dK's MMAs), with two warpgroups only
 # MMA warpgroups per program (64 keys each) and their registers, by head dim (as FWD_HOPPER_WARPGROUPS): three at
 # D=64, where the kernel needs under 128 registers (H200, run 0537: N=8192 causal 2.08 -> 1.76 ms, the packed batch
 # of kernel_breakdown.py 1.66 -> 1.27); at D=128 the dK and dV accumulators alone take 128
@@ -204,11 +202,11 @@ DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
 # The two MMA warpgroups take turns to issue their MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
-# exponentials run under the other's MMAs instead of both contending for the SFU at once: 0 never, 1 the S and dP
-# MMAs, 2 those and dQ's
-DQ_HOPPER_PINGPONG = 0
-# One exponential in DQ_HOPPER_POLY (4 or 8; 0 none) on the FMA pipe instead of the MUFU (_gluon.exp2_share)
-DQ_HOPPER_POLY = 0
+# exponentials run under the other's MMAs rather than both at once, by head dim: 0 never, 1 the S and dP MMAs, 2
+# those and dQ's. H200, N=8192 causal, same run (runs 0835, 0837, 0845): D=128 dQ 1.448-1.468 -> 1.400-1.417 ms
+# with 1, 1.474 with 2; D=64 2.324 -> 2.401 with 1. In the dK/dV kernel (D=128) turns made it slower: 1.414 ->
+# 1.448 (S^T, dP^T) and 1.483 (every MMA), run 0837
+DQ_HOPPER_PINGPONG = {128: 1}
 # Always two MMA warpgroups (64 queries each): three spilled with the full 128-key tile (run 0527: 2.73 vs 2.55 ms
 # at D=64) and, with the second pass in 64-key halves (no spills), were no faster (run 0625: 2.52 vs 2.51 ms dense
 # D=64, 1.865 vs 1.859 packed); commit 6f8193a has that version
@@ -288,7 +286,6 @@ def _dkdv_hopper_cfg(d: int) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
-                pingpong=int(TUNE.get("dkdv_hopper_pingpong", DKDV_HOPPER_PINGPONG)),
                 **_warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS))
 
 
@@ -299,12 +296,11 @@ def _fwd_hopper_cfg(d: int) -> dict:
                 **_warpgroups("fwd", d, FWD_HOPPER_WARPGROUPS))
 
 
-def _dq_hopper_cfg() -> dict:
-    """dq_hopper.dq_hopper's options: DQ_HOPPER_STAGES and DQ_HOPPER_PINGPONG, or TUNE["dq_hopper_stages"],
-    TUNE["dq_hopper_pingpong"]."""
+def _dq_hopper_cfg(d: int) -> dict:
+    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES and DQ_HOPPER_PINGPONG, or
+    TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"]."""
     return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)),
-                pingpong=int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG)),
-                poly=int(TUNE.get("dq_hopper_poly", DQ_HOPPER_POLY)))
+                pingpong=int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0))))
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
