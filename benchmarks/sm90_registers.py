@@ -252,8 +252,7 @@ def main():
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=K._dq_hopper_cfg(args.d)["stages"],
                 SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
-                VARLEN=args.varlen, PINGPONG=K._dq_hopper_cfg(args.d)["pingpong"],
-                PAIRS=K._dq_hopper_cfg(args.d)["pairs"]), 4, 1)
+                VARLEN=args.varlen, PINGPONG=K._dq_hopper_cfg(args.d)["pingpong"]), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
             cfg = K._fwd_hopper_cfg(args.d)

@@ -260,18 +260,17 @@ def _gluon_vs_triton(gluon, opts, seed):
     return out
 
 
-@pytest.mark.parametrize("stages,pingpong,pairs", [(2, 0, False), (3, 0, False), (3, 1, False), (3, 2, False),
-                                                   (3, 1, True), (2, 0, True)])
-def test_dq_hopper_kernel(stages, pingpong, pairs):
+@pytest.mark.parametrize("stages,pingpong", [(2, 0), (3, 0), (3, 1), (3, 2)])
+def test_dq_hopper_kernel(stages, pingpong):
     """The Gluon dQ kernel with the correction pass (dq_hopper.py, TUNE dq_hopper), alone and with the Gluon
     dK/dV kernel, against the reference (the same tolerances) and against _bwd_dq_kernel (the same arithmetic;
     the dK/dV kernel reads the delta, LSE2 and dS scales it writes), causal and full, D 64 and 128, GQA, pow2
     scales; the invariant at 8K (D=128) and 2K (D=64). `pingpong`: the warpgroups take turns to issue their
-    MMAs (0 never, 1 S and dP, 2 every MMA); `pairs`: pass 2 two key tiles per iteration."""
+    MMAs (0 never, 1 S and dP, 2 every MMA)."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    opts = dict(dq_hopper_stages=stages, dq_hopper_pingpong=pingpong, dq_hopper_pairs=pairs)
+    opts = dict(dq_hopper_stages=stages, dq_hopper_pingpong=pingpong)
     K.TUNE.update(dq_hopper=True, dkdv_hopper=False, **opts)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)

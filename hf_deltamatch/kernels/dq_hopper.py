@@ -103,20 +103,16 @@ def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, 
 
 @gluon.jit
 def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
-             lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, s_prev, MASKED: gl.constexpr,
+             lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, MASKED: gl.constexpr,
              STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr, WG: gl.constexpr,
-             PINGPONG: gl.constexpr, PREV: gl.constexpr = False, WAIT: gl.constexpr = True):
+             PINGPONG: gl.constexpr):
     """Pass 2 on key tile j: dS, its tile scale (stored for the dK/dV kernel) and dQ += dS8 k8. sk_t, sv_t: its
-    scales; returns the next tile's and the ring stage. WAIT=False leaves the dQ MMA running (and the stage held)
-    into the next tile, which is then called with PREV and s_prev = this tile's stage."""
-    a_layout: gl.constexpr = fp8_a_layout(mma_layout(kt_smem.shape[1]))  # dq's (in flight with PREV: no .layout)
+    scales; returns the next tile's."""
+    a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
     c = sk_t  # times sds below
     s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
         q_sub, do_sub, k_smem, v_smem, ready, n_k + j, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows,
         SK, SV, kv_row, MASKED, False, STAGES, WG, PINGPONG)
-    if PREV:  # the tile before's dQ MMA ran under this tile's S and dP (wgmma groups complete in order: done)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        mbarrier.arrive(empty.index(s_prev))
     ds = p * (dp_acc * dpf - delta[:, None])
     if ROW_SUMS:
         rs += gl.sum(ds, 1)
@@ -133,10 +129,10 @@ def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, S
     dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
     if PINGPONG == 2:
         pass_turn(WG)
-    if WAIT:  # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        mbarrier.arrive(empty.index(s))
-    return s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, s
+    # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    mbarrier.arrive(empty.index(s))
+    return s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t
 
 
 @gluon.jit
@@ -144,8 +140,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
                    SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
                    dss_tk, dss_col0, out0, length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
-                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
-                   PAIRS: gl.constexpr):
+                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -182,32 +177,16 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
     c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile)
     dss_at = dss_row * dss_tk + dss_col0
-    if PAIRS:  # pass 2 two tiles per iteration, the first's dQ MMA running under the second's S and dP
-        for jp in range(n_plain // 2):
-            s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, s0 = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, 2 * jp, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-                dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, 0, False, STAGES, FMAX, POW2,
-                ROW_SUMS, WG, PINGPONG, False, False)
-            s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, s0 = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, 2 * jp + 1, n_k, SK, SV, DSS, kv_row, dss_at,
-                row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, s0, False, STAGES, FMAX,
-                POW2, ROW_SUMS, WG, PINGPONG, True, True)
-        if n_plain % 2 == 1:
-            s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, s0 = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain - 1, n_k, SK, SV, DSS, kv_row, dss_at,
-                row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, 0, False, STAGES, FMAX,
-                POW2, ROW_SUMS, WG, PINGPONG)
-    else:
-        for j in range(n_plain):  # pass 2: dS and dQ
-            s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, s0 = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
-                lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, 0, False, STAGES, FMAX, POW2, ROW_SUMS,
-                WG, PINGPONG)
+    for j in range(n_plain):  # pass 2: dS and dQ
+        s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
+            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
+            lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, False, STAGES, FMAX, POW2, ROW_SUMS,
+            WG, PINGPONG)
     if CAUSAL:
-        s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, s0 = _dq_tile(
+        s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
             q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, 0, True, STAGES, FMAX, POW2,
-            ROW_SUMS, WG, PINGPONG)
+            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, True, STAGES, FMAX, POW2, ROW_SUMS,
+            WG, PINGPONG)
     if PINGPONG:
         if WG == 0:  # the turn warpgroup 1 passed with its last MMAs: every named-barrier arrive is consumed
             wait_turn(WG)
@@ -232,7 +211,7 @@ def _bwd_dq_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
-    VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PAIRS: gl.constexpr,
+    VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
     base, length, start = _segment(CU, PCU, N, VARLEN)
@@ -264,18 +243,18 @@ def _bwd_dq_hopper_kernel(
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
                           dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS,
-                          VARLEN, PINGPONG, PAIRS)),
+                          VARLEN, PINGPONG)),
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
                           dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
-                          ROW_SUMS, VARLEN, PINGPONG, PAIRS)),
+                          ROW_SUMS, VARLEN, PINGPONG)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
                    empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D)),
     ], [4, 1], [240, 24])
 
 
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
-              dss_tq, dss_tk, grid, n_tiles, head_group, stages, pingpong, pairs, scale_after_sum, fmax, pow2, row_sums,
+              dss_tq, dss_tk, grid, n_tiles, head_group, stages, pingpong, scale_after_sum, fmax, pow2, row_sums,
               segments=None):
     """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
     the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
@@ -288,6 +267,5 @@ def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, 
         _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
         dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
-        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong),
-        PAIRS=bool(pairs), num_warps=4,
+        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong), num_warps=4,
     )

@@ -18,7 +18,7 @@ from ._fp8 import INTERPRET
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
-# "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong": 0, 1, 2 (see DQ_HOPPER_PINGPONG), "dq_hopper_pairs",
+# "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong": 0, 1, 2 (see DQ_HOPPER_PINGPONG),
 # "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
 # "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
 # {head dim: that} (see FWD_HOPPER_WARPGROUPS),
@@ -28,7 +28,7 @@ TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs",
-              "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong", "dq_hopper_pairs"}
+              "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -207,8 +207,6 @@ DQ_HOPPER_STAGES = 3
 # with 1, 1.474 with 2; D=64 2.324 -> 2.401 with 1. In the dK/dV kernel (D=128) turns made it slower: 1.414 ->
 # 1.448 (S^T, dP^T) and 1.483 (every MMA), run 0837
 DQ_HOPPER_PINGPONG = {128: 1}
-# The second pass two key tiles per iteration, the first's dQ MMA left running under the second's S and dP
-DQ_HOPPER_PAIRS = False
 # Always two MMA warpgroups (64 queries each): three spilled with the full 128-key tile (run 0527: 2.73 vs 2.55 ms
 # at D=64) and, with the second pass in 64-key halves (no spills), were no faster (run 0625: 2.52 vs 2.51 ms dense
 # D=64, 1.865 vs 1.859 packed); commit 6f8193a has that version
@@ -302,8 +300,7 @@ def _dq_hopper_cfg(d: int) -> dict:
     """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES and DQ_HOPPER_PINGPONG, or
     TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"]."""
     return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)),
-                pingpong=int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0))),
-                pairs=bool(TUNE.get("dq_hopper_pairs", DQ_HOPPER_PAIRS)))
+                pingpong=int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0))))
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
