@@ -93,26 +93,31 @@ _THREAD_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 
 
 @gluon.jit
+def _per_thread(ASM: gl.constexpr):
+    """The PTX statement ASM once in each thread of a 4-warp partition (its result register unused)."""
+    gl.inline_asm_elementwise(ASM + "\nmov.b32 $0, $1;", "=r,r", [gl.arange(0, 128, _THREAD_LAYOUT)], gl.int32,
+                              False, 1)
+
+
+@gluon.jit
 def wait_turn(WG: gl.constexpr):
     """FA3's ping-pong of two MMA warpgroups: block until it is warpgroup WG's turn to issue its MMAs. Hardware
     named barriers 14 (warpgroup 0's turn) and 15 (1's), 256 threads each: WG's 128 threads sync there and the
     other warpgroup's 128 arrive (pass_turn). mbarriers would do the same through shared memory, at a higher
     latency (session 9's forward ping-pong used them). Ids 0-2 are Triton's own (warp_specialize, arrive)."""
-    x = gl.arange(0, 128, _THREAD_LAYOUT)
     if WG == 0:
-        gl.inline_asm_elementwise("bar.sync 14, 256;\nmov.b32 $0, $1;", "=r,r", [x], gl.int32, False, 1)
+        _per_thread("bar.sync 14, 256;")
     else:
-        gl.inline_asm_elementwise("bar.sync 15, 256;\nmov.b32 $0, $1;", "=r,r", [x], gl.int32, False, 1)
+        _per_thread("bar.sync 15, 256;")
 
 
 @gluon.jit
 def pass_turn(WG: gl.constexpr):
     """Warpgroup WG has issued its MMAs: the other warpgroup's turn (wait_turn). Non-blocking."""
-    x = gl.arange(0, 128, _THREAD_LAYOUT)
     if WG == 0:
-        gl.inline_asm_elementwise("bar.arrive 15, 256;\nmov.b32 $0, $1;", "=r,r", [x], gl.int32, False, 1)
+        _per_thread("bar.arrive 15, 256;")
     else:
-        gl.inline_asm_elementwise("bar.arrive 14, 256;\nmov.b32 $0, $1;", "=r,r", [x], gl.int32, False, 1)
+        _per_thread("bar.arrive 14, 256;")
 
 
 @gluon.jit
