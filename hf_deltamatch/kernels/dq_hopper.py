@@ -14,6 +14,9 @@ other. Per key tile of 128 keys (stage s), in one warpgroup (rows r0 .. r0+63):
           delta += rowsum(P * dP) * sdo sv  (SCALE_AFTER_SUM; else rowsum(P * dP * sdo sv))
   pass 2: S, dP, P again; dS = P (dP sdo sv - delta); sds = tile_scale(absmax dS), stored for the dK/dV kernel;
           dQ = dQ * (c / c') + (dS / sds)8 k8   (c' = sds * sk: dq is kept in units of the last tile's c')
+With PINGPONG (on at D=128, launch.DQ_HOPPER_PINGPONG) the two warpgroups take turns to issue their S and dP MMAs
+(FlashAttention-3's ping-pong through named barriers, _gluon.wait_turn), so one's exponentials overlap the other's
+MMAs more often.
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dq_kernel` (tests/test_kernels_gpu.py).
 """
 
