@@ -203,7 +203,7 @@ DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
 # The two MMA warpgroups take turns to issue their MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
 # exponentials run under the other's MMAs rather than both at once, by head dim: 0 never, 1 the S and dP MMAs, 2
-# those and dQ's. H200, N=8192 causal, same run (runs 0837, 0845, 0852): D=128 dQ 1.448-1.468 -> 1.400-1.417 ms
+# those and dQ's. H200, N=8192 causal, same run (runs 0837, 0845, 0852): D=128 dQ 1.448-1.486 -> 1.400-1.417 ms
 # with 1, 1.474 with 2; D=64 2.324 -> 2.401 with 1. In the dK/dV kernel (D=128) turns made it slower: 1.414 ->
 # 1.448 (S^T, dP^T) and 1.483 (every MMA), run 0837
 DQ_HOPPER_PINGPONG = {128: 1}
