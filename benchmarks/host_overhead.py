@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Host (CPU) time of one kernels.forward / kernels.backward call, Triton kernels vs the Gluon ones, on the GPU.
 
-  python benchmarks/host_overhead.py [--out DIR] [--profile]
+  python benchmarks/host_overhead.py [--out DIR] [--profile] [--op]
 
 A call's host time is what its launches cost the CPU; when it exceeds the kernels' GPU time the GPU waits (short
 sequences, the forward). Measured on a small shape (B=1, H=2, N=1024, D=128, causal), where the GPU work is
 tiny: the mean wall time of 200 calls issued back to back, synchronized once at the end. --profile adds the
-top of a cProfile of 50 calls per path (where the host time goes).
+top of a cProfile of 50 calls per path (where the host time goes). --op adds the whole op's forward + backward
+(`deltamatch_attention` under autograd, as a model calls it) on the Gluon path, the host floor of one Triton
+launch (an empty kernel) and of one torch.empty, and a cProfile of 50 op calls sorted by self time.
 """
 
 import argparse
@@ -23,8 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from hf_deltamatch import kernels as K  # noqa: E402
+from hf_deltamatch import deltamatch_attention  # noqa: E402
 from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
 
 PATHS = {"triton": dict(fwd_hopper=False, dq_hopper=False, dkdv_hopper=False),
@@ -41,10 +46,56 @@ def host_ms(fn, n=200):
     return (time.perf_counter() - t) * 1e3 / n
 
 
+@triton.jit
+def _empty_kernel(X, Y, n, m, BLOCK: tl.constexpr):
+    pass
+
+
+def _profile(fn, calls, sort, lines):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats(sort).print_stats(lines)
+    return s.getvalue()
+
+
+def op_section(q, k, v, do, res, text, profile):
+    """The op as a model calls it (Gluon path), and the floors it sits on."""
+    x = torch.empty(16, device="cuda")
+    res["launch_floor_ms"] = host_ms(lambda: _empty_kernel[(1, )](x, x, 1, 2, BLOCK=16), n=1000)
+    res["torch_empty_ms"] = host_ms(lambda: torch.empty((1, 2, 1024), device="cuda"), n=1000)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def step():
+        out = deltamatch_attention(qg, kg, vg, causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), do)
+
+    def fwd():
+        with torch.no_grad():
+            deltamatch_attention(q, k, v, causal=True)
+
+    K.TUNE.clear()
+    K.TUNE.update(PATHS["gluon"])
+    res["op_fwd_bwd_ms"] = host_ms(step)
+    res["op_fwd_nograd_ms"] = host_ms(fwd)
+    text.append(f"floors: empty Triton launch {res['launch_floor_ms']:.3f} ms, torch.empty {res['torch_empty_ms']:.4f}"
+                f" ms\nop (gluon) host ms per call: fwd+bwd (autograd) {res['op_fwd_bwd_ms']:.3f}, fwd no-grad "
+                f"{res['op_fwd_nograd_ms']:.3f}")
+    if profile:
+        text.append("--- op fwd+bwd: cProfile of 50 calls, by self time\n" + _profile(step, 50, "tottime", 40))
+        text.append("--- op fwd+bwd: cProfile of 50 calls, cumulative\n" + _profile(step, 50, "cumulative", 40))
+    K.TUNE.clear()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--op", action="store_true")
     args = p.parse_args()
     B, H, N, D = 1, 2, 1024, 128
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -63,16 +114,11 @@ def main():
                     f"backward {res[name]['bwd_ms']:.3f}")
         if args.profile:
             for part, fn in (("forward", fwd), ("backward", bwd)):
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(50):
-                    fn()
-                prof.disable()
-                torch.cuda.synchronize()
-                s = io.StringIO()
-                pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(18)
-                text.append(f"--- {name} {part}: cProfile of 50 calls\n" + s.getvalue())
+                text.append(f"--- {name} {part}: cProfile of 50 calls\n" + _profile(fn, 50, "cumulative", 18))
     K.TUNE.clear()
+    if args.op:
+        res["op"] = {}
+        op_section(q, k, v, do, res["op"], text, args.profile)
     print("\n".join(text))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -160,7 +160,7 @@ def usage(fn, constexprs, warps, stages, maxnreg=None):
                      for line in sass.splitlines() if "/*" in line and ";" in line)
     return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=int(stack.group(1)) if stack else None,
                 smem=c.metadata.shared, mma=mma, serialized="; ".join(serialized) or "no", loops=loops(sass),
-                sass_md5=hashlib.md5(body.encode()).hexdigest()[:12], sass=body)
+                sass_md5=hashlib.md5(body.encode()).hexdigest()[:12], sass=body, ptx=c.asm["ptx"])
 
 
 # opcode -> the report's column (the rest count as "other": integer, uniform-datapath, predicate, branch ops)
@@ -207,7 +207,7 @@ def main():
     p.add_argument("--full", action="store_true", help="the full mask instead of causal")
     p.add_argument("--groups", type=int, default=1, help="query heads per KV head (GQA)")
     p.add_argument("--varlen", action="store_true", help="the Gluon kernels' packed-batch variant (causal)")
-    p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) to, <kernel>.sass")
+    p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) and PTX to, <kernel>.sass / .ptx")
     p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
     p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
     args = p.parse_args()
@@ -267,8 +267,9 @@ def main():
                   flush=True)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
-                with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
-                    f.write(u["sass"])
+                for ext in ("sass", "ptx"):
+                    with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
+                        f.write(u[ext])
             if args.loops:
                 for lo, counts in u["loops"]:
                     print(f"{'':46s} loop @{lo:#07x}: " + " ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
