@@ -78,16 +78,28 @@ def op_section(q, k, v, do, res, text, profile):
         with torch.no_grad():
             deltamatch_attention(q, k, v, causal=True)
 
+    def fwd_graph():  # the forward with grad (a graph built), dropped unused
+        deltamatch_attention(qg, kg, vg, causal=True)
+
     K.TUNE.clear()
     K.TUNE.update(PATHS["gluon"])
     res["op_fwd_bwd_ms"] = host_ms(step)
     res["op_fwd_nograd_ms"] = host_ms(fwd)
+    res["op_fwd_grad_ms"] = host_ms(fwd_graph)
     text.append(f"floors: empty Triton launch {res['launch_floor_ms']:.3f} ms, torch.empty {res['torch_empty_ms']:.4f}"
                 f" ms\nop (gluon) host ms per call: fwd+bwd (autograd) {res['op_fwd_bwd_ms']:.3f}, fwd no-grad "
-                f"{res['op_fwd_nograd_ms']:.3f}")
+                f"{res['op_fwd_nograd_ms']:.3f}, fwd with grad {res['op_fwd_grad_ms']:.3f}")
     if profile:
         text.append("--- op fwd+bwd: cProfile of 50 calls, by self time\n" + _profile(step, 50, "tottime", 40))
         text.append("--- op fwd+bwd: cProfile of 50 calls, cumulative\n" + _profile(step, 50, "cumulative", 40))
+        # the C++ side: CUDA runtime and driver calls (allocations, synchronizations, launches) by CPU time
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+        text.append("--- op fwd+bwd: torch.profiler of 20 calls, by self CPU time\n"
+                    + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
     K.TUNE.clear()
 
 
