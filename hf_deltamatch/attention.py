@@ -1,7 +1,9 @@
 """`deltamatch_attention`: the one public op. Validation, backend dispatch, autograd, torch.compile support.
 
-The op is a `torch.library` custom op with a registered autograd formula, so `torch.compile` traces it
-as one node (no graph break) and eager mode gets the same backward.
+Under `torch.compile` the op is a `torch.library` custom op with a registered autograd formula, so the compiler
+traces it as one node (no graph break). Eager calls take a plain `torch.autograd.Function` around the same
+forward and backward: the custom op's Python dispatch cost ~1 ms of host time per forward + backward on the
+H200 machine (benchmarks/NOTES.md, session 15), more than the GPU work of a 4K-token layer.
 """
 
 from __future__ import annotations
@@ -144,10 +146,15 @@ def _attention_forward(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
+    return _forward_impl(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, precision, delta, block,
+                         scale_rounding, grad_format, backend, deterministic)
+
+
+def _forward_impl(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, precision, delta, block,
+                  scale_rounding, grad_format, backend, deterministic):
     config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
-    impl = _backend_module(backend)
-    return impl.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config)
+    return _backend_module(backend).forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config)
 
 
 @_attention_forward.register_fake
@@ -176,11 +183,18 @@ def _attention_backward(
     precision: str, delta: str, block: int, scale_rounding: str, grad_format: str, backend: str,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
+                          cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend,
+                          deterministic)
+
+
+def _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
+                   cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend,
+                   deterministic):
     config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
-    impl = _backend_module(backend)
-    return tuple(impl.backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal=causal,
-                               softmax_scale=softmax_scale, window=window, cu_seqlens_q=cu_seqlens_q,
-                               cu_seqlens_k=cu_seqlens_k, config=config))
+    return tuple(_backend_module(backend).backward(
+        do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal=causal, softmax_scale=softmax_scale,
+        window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config))
 
 
 @_attention_backward.register_fake
@@ -200,6 +214,8 @@ def _setup_context(ctx, inputs, output):
     out, lse, q8, k8, v8, sq, sk, sv = output
     # Only `out` carries a gradient; backprop through lse would otherwise be dropped silently.
     ctx.mark_non_differentiable(lse, q8, k8, v8, sq, sk, sv)
+    # no zero-filled gradients for the seven outputs without one (a fill kernel each per backward)
+    ctx.set_materialize_grads(False)
     fp8 = ctx.args["precision"] == "fp8"
     stale = ctx.args["delta"] == "stale"
     # fp8 mode keeps only the quantized operands (half the bytes of bf16 q/k/v); O only for stale delta.
@@ -207,10 +223,12 @@ def _setup_context(ctx, inputs, output):
                           lse, q8, k8, v8, sq, sk, sv)
 
 
-def _backward(ctx, grad_out, *_unused_grads):
+def _backward(ctx, grad_out, *_unused_grads, backward_op=_attention_backward):
+    if grad_out is None:  # out took no part in the loss (grads are not materialized)
+        return (None,) * (3 + len(_NON_TENSOR_ARGS))
     q, k, v, out, lse, q8, k8, v8, sq, sk, sv = ctx.saved_tensors
     a = ctx.args
-    dq, dk, dv = _attention_backward(
+    dq, dk, dv = backward_op(
         grad_out.contiguous(), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, a["causal"], a["softmax_scale"],
         a["window"], a["cu_seqlens_q"], a["cu_seqlens_k"], a["precision"], a["delta"], a["block"],
         a["scale_rounding"], a["grad_format"], a["backend"], a["deterministic"])
@@ -218,6 +236,22 @@ def _backward(ctx, grad_out, *_unused_grads):
 
 
 torch.library.register_autograd("hf_deltamatch::attention_forward", _backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The custom op's forward, setup and backward without torch.library's dispatch (eager calls)."""
+
+    @staticmethod
+    def forward(q, k, v, *args):
+        return _forward_impl(q, k, v, *args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad_out, *unused):
+        return _backward(ctx, grad_out, *unused, backward_op=_backward_impl)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -272,7 +306,9 @@ def deltamatch_attention(
             backend = "reference"
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
-    out, lse, *_ = _attention_forward(
+    # torch.compile traces the custom op; eager calls take the same code without its dispatch (module docstring)
+    op = _attention_forward if torch.compiler.is_compiling() else _EagerAttention.apply
+    out, lse, *_ = op(
         q, k, v, bool(causal), float(softmax_scale), window, cu_seqlens_q, cu_seqlens_k, config.precision,
         config.delta, config.block, config.scale_rounding, config.grad_format, backend, config.deterministic)
     return (out, lse) if return_lse else out

@@ -261,6 +261,22 @@ def test_torch_compile_traces_without_graph_breaks():
     torch.testing.assert_close(qq.grad, eager[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("delta", ["matching", "stale"])
+def test_eager_path_is_the_custom_op(delta):
+    """Eager calls skip torch.library's dispatch (attention._EagerAttention); the custom op, which torch.compile
+    traces, must give the same bits, forward and backward, and keep the same tensors for the backward."""
+    q, k, v, do = make(1, 4, 2, 80, 80, 32, 32, seed=3)
+    cfg = DeltaMatchConfig(delta=delta)
+    eager = run_op(q, k, v, do, cfg)
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = torch.ops.hf_deltamatch.attention_forward(
+        qq, kk, vv, True, 32 ** -0.5, None, None, None, cfg.precision, cfg.delta, cfg.block, cfg.scale_rounding,
+        cfg.grad_format, "reference", cfg.deterministic)[0]
+    out.backward(do)
+    for a, b in zip(eager, (out.detach(), qq.grad, kk.grad, vv.grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_quantization_tiles_and_scales():
     x = torch.randn(1, 1, 200, 32)
     x[0, 0, 130] *= 100  # an outlier only affects its own tile

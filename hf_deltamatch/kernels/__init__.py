@@ -254,7 +254,9 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         raise ValueError("delta='stale' needs the forward output.")
     lse = lse.contiguous()
     dev = do.device
-    delta = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev)
+    # the dQ kernels write delta for every query row of a dense batch; a varlen one's rows outside every sequence
+    # stay 0 (the Triton dK/dV kernel's tiles read them)
+    delta = (torch.zeros if varlen else torch.empty)((B, Hq, N), dtype=torch.float32, device=dev)
     lse2_in, p_shift = _dkdv_lse2(d), _dkdv_p_shift(d, fp8)
     lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
