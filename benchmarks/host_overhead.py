@@ -81,14 +81,32 @@ def op_section(q, k, v, do, res, text, profile):
     def fwd_graph():  # the forward with grad (a graph built), dropped unused
         deltamatch_attention(qg, kg, vg, causal=True)
 
+    class _Identity(torch.autograd.Function):  # the autograd engine's own floor, on CUDA tensors
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def engine_floor():
+        torch.autograd.grad(_Identity.apply(qg), (qg, ), do)
+
     K.TUNE.clear()
     K.TUNE.update(PATHS["gluon"])
     res["op_fwd_bwd_ms"] = host_ms(step)
     res["op_fwd_nograd_ms"] = host_ms(fwd)
     res["op_fwd_grad_ms"] = host_ms(fwd_graph)
+    res["engine_floor_ms"] = host_ms(engine_floor, n=1000)
+    out = deltamatch_attention(qg, kg, vg, causal=True)
+    node = out.grad_fn  # its backward called directly, without the engine (saved tensors kept)
+    res["op_bwd_node_ms"] = host_ms(lambda: node(do, *(None, ) * 7))
     text.append(f"floors: empty Triton launch {res['launch_floor_ms']:.3f} ms, torch.empty {res['torch_empty_ms']:.4f}"
                 f" ms\nop (gluon) host ms per call: fwd+bwd (autograd) {res['op_fwd_bwd_ms']:.3f}, fwd no-grad "
-                f"{res['op_fwd_nograd_ms']:.3f}, fwd with grad {res['op_fwd_grad_ms']:.3f}")
+                f"{res['op_fwd_nograd_ms']:.3f}, fwd with grad {res['op_fwd_grad_ms']:.3f}, the backward node called "
+                f"directly {res['op_bwd_node_ms']:.3f}; autograd engine floor (identity fwd+bwd) "
+                f"{res['engine_floor_ms']:.3f}")
     if profile:
         text.append("--- op fwd+bwd: cProfile of 50 calls, by self time\n" + _profile(step, 50, "tottime", 40))
         text.append("--- op fwd+bwd: cProfile of 50 calls, cumulative\n" + _profile(step, 50, "cumulative", 40))
