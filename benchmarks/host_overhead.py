@@ -101,7 +101,7 @@ def op_section(q, k, v, do, res, text, profile):
     res["engine_floor_ms"] = host_ms(engine_floor, n=1000)
     out = deltamatch_attention(qg, kg, vg, causal=True)
     node = out.grad_fn  # its backward called directly, without the engine (saved tensors kept)
-    res["op_bwd_node_ms"] = host_ms(lambda: node(do, *(None, ) * 7))
+    res["op_bwd_node_ms"] = host_ms(lambda: node.apply(do, *(None, ) * 7))
     text.append(f"floors: empty Triton launch {res['launch_floor_ms']:.3f} ms, torch.empty {res['torch_empty_ms']:.4f}"
                 f" ms\nop (gluon) host ms per call: fwd+bwd (autograd) {res['op_fwd_bwd_ms']:.3f}, fwd no-grad "
                 f"{res['op_fwd_nograd_ms']:.3f}, fwd with grad {res['op_fwd_grad_ms']:.3f}, the backward node called "
