@@ -102,11 +102,32 @@ def op_section(q, k, v, do, res, text, profile):
     out = deltamatch_attention(qg, kg, vg, causal=True)
     node = out.grad_fn  # its backward called directly, without the engine (saved tensors kept)
     res["op_bwd_node_ms"] = host_ms(lambda: node.apply(do, *(None, ) * 7))
+    res["op_bwd_engine_ms"] = host_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True))
+    # the time kernels.backward itself takes inside those calls: on the engine's CUDA thread vs this one
+    inner, real = [], K.backward
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        r = real(*a, **kw)
+        inner.append(time.perf_counter() - t)
+        return r
+
+    K.backward = timed
+    try:
+        for name, fn in (("node", lambda: node.apply(do, *(None, ) * 7)),
+                         ("engine", lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True))):
+            inner.clear()
+            host_ms(fn)
+            res[f"kernels_backward_in_{name}_ms"] = sum(inner[1:]) / len(inner[1:]) * 1e3
+    finally:
+        K.backward = real
     text.append(f"floors: empty Triton launch {res['launch_floor_ms']:.3f} ms, torch.empty {res['torch_empty_ms']:.4f}"
                 f" ms\nop (gluon) host ms per call: fwd+bwd (autograd) {res['op_fwd_bwd_ms']:.3f}, fwd no-grad "
                 f"{res['op_fwd_nograd_ms']:.3f}, fwd with grad {res['op_fwd_grad_ms']:.3f}, the backward node called "
                 f"directly {res['op_bwd_node_ms']:.3f}; autograd engine floor (identity fwd+bwd) "
-                f"{res['engine_floor_ms']:.3f}")
+                f"{res['engine_floor_ms']:.3f}; the backward alone through the engine (retained graph) "
+                f"{res['op_bwd_engine_ms']:.3f}; kernels.backward inside it {res['kernels_backward_in_engine_ms']:.3f},"
+                f" inside the direct node call {res['kernels_backward_in_node_ms']:.3f}")
     if profile:
         text.append("--- op fwd+bwd: cProfile of 50 calls, by self time\n" + _profile(step, 50, "tottime", 40))
         text.append("--- op fwd+bwd: cProfile of 50 calls, cumulative\n" + _profile(step, 50, "cumulative", 40))
