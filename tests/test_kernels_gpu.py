@@ -340,29 +340,27 @@ def test_hopper_packed(cu, D, tune):
         K.TUNE.clear()
 
 
-@pytest.mark.parametrize("stages,wgs64", [(2, (3, 160)), (3, (3, 160)), (2, (2, 240))],
-                         ids=["s2-wg3", "s3-wg3", "s2-wg2"])
-def test_fwd_hopper_kernel(stages, wgs64):
+@pytest.mark.parametrize("stages,wgs64,wgs128", [(2, (3, 160), (2, 240)), (3, (3, 160), (2, 240)),
+                                                 (2, (2, 240), (2, 240)), (2, (3, 160), (3, 160))],
+                         ids=["s2-wg3", "s3-wg3", "s2-wg2", "s2-wg3-d128wg3"])
+def test_fwd_hopper_kernel(stages, wgs64, wgs128):
     """The Gluon forward (fwd_hopper.py, TUNE fwd_hopper; on at D=128) against the
     reference (the same tolerances) and against _fwd_kernel on the same inputs (the same arithmetic): causal
-    GQA and the full mask at D=128, causal and full at D=64 with programs of two or three warpgroups (`wgs64`;
-    three: 192 queries, which do not divide N, so the last block's rows past N are masked)."""
+    GQA and the full mask at D=128 and D=64, with programs of two or three warpgroups (`wgs64`, `wgs128`; three:
+    192 queries, which do not divide N, so the last block's rows past N are masked)."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    tune = dict(fwd_hopper=True, fwd_hopper_stages=stages)
+    tune = dict(fwd_hopper=True, fwd_hopper_stages=stages, fwd_hopper_wgs={64: wgs64, 128: wgs128})
     K.TUNE.update(tune)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
-        K.TUNE["fwd_hopper_wgs"] = wgs64
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
     finally:
         K.TUNE.clear()
     for B, Hq, Hkv, N, D, causal in ((2, 4, 2, 2048, 128, True), (1, 4, 4, 1024, 128, False),
-                                     (1, 4, 4, 1024, 64, True), (2, 4, 2, 1280, 64, True),
-                                     (1, 2, 2, 1152, 64, False)):
-        if D == 64:
-            tune["fwd_hopper_wgs"] = wgs64
+                                     (1, 2, 2, 1280, 128, True), (1, 4, 4, 1024, 64, True),
+                                     (2, 4, 2, 1280, 64, True), (1, 2, 2, 1152, 64, False)):
         q, k, v, _ = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=5)
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
