@@ -248,12 +248,12 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
 # 0.824 GQA, 1.393 full (the same loop without the turns: 0.759-0.815, runs 0140 and 0148), so not kept.
 FWD_HOPPER_HEAD_DIMS = (128,)
 FWD_HOPPER_STAGES = 2
-# MMA warpgroups per program (64 queries each) and their registers, by head dim: two of 240 at D=128; three of
-# 160 at D=64, whose accumulators are half the size, so that an SM runs three softmax streams, as the Triton
-# forward's three programs per SM do (H200, run 0519: 1.50 -> 1.13 ms at N=8192 causal, vs 1.11 for the Triton
-# forward, which dense batches keep; the packed batch 1.15 -> 0.96). The dQ kernel at D=64 spilled with three
-# (run 0527: 2.73 vs 2.55 ms) and keeps two (DQ_HOPPER_WARPGROUPS).
-FWD_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
+# MMA warpgroups per program (64 queries each) and their registers, by head dim: three of 160, so that an SM runs
+# three softmax streams. D=64 (H200, run 0519): 1.50 -> 1.13 ms at N=8192 causal, vs 1.11 for the Triton forward,
+# which dense batches keep; the packed batch 1.15 -> 0.96. D=128 (run 0955; S, O and P8 fit in 160 registers, no
+# spills): 0.791 -> 0.665 ms causal (827 TFLOP/s), 1.437 -> 1.218 full (903), packed 0.660 -> 0.538; 3 stages
+# 0.680. The dQ kernel spills with three (D=64, run 0527: 2.73 vs 2.55 ms) and keeps two (DQ_HOPPER_WARPGROUPS).
+FWD_HOPPER_WARPGROUPS = {64: (3, 160), 128: (3, 160)}
 
 
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
