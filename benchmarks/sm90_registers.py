@@ -27,7 +27,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hf_deltamatch import kernels as K
-from hf_deltamatch.kernels import launch as L
 from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from hf_deltamatch.kernels.forward import _fwd_kernel
 
@@ -101,7 +100,6 @@ def gluon_signature(fn, constexprs, d):
         "_bwd_dq_hopper_kernel": {"q_desc": (qb, d), "do_desc": (qb, d), "k_desc": (n, d), "v_desc": (n, d),
                                   "kt_desc": (d, n)},
         "_fwd_hopper_kernel": {"q_desc": (qb, d), "k_desc": (n, d), "vt_desc": (d, n)},
-        "_bwd_delta_hopper_kernel": {"q_desc": (m, d), "do_desc": (m, d), "k_desc": (n, d), "v_desc": (n, d)},
     }[fn.__name__]
     sig = {}
     for a in fn.arg_names:
@@ -254,15 +252,7 @@ def main():
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=K._dq_hopper_cfg(args.d)["stages"],
                 SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
-                VARLEN=args.varlen, PINGPONG=K._dq_hopper_cfg(args.d)["pingpong"],
-                PASS1=K._delta_hopper_cfg(args.d) is None), 4, 1)
-        if "hopper_delta" in args.kernels.split(","):  # Gluon (delta_hopper.py): DQ_HOPPER_SPLIT's, else 3 x 160
-            from hf_deltamatch.kernels.delta_hopper import _bwd_delta_hopper_kernel
-            cfg = K._delta_hopper_cfg(args.d) or dict(warpgroups=3, regs=160, stages=L.DELTA_HOPPER_STAGES)
-            jobs["hopper_delta"] = (_bwd_delta_hopper_kernel, dict(
-                GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=cfg["stages"],
-                SCALE_AFTER_SUM=K._scale_after_sum(args.d), VARLEN=args.varlen, WGS=cfg["warpgroups"],
-                REGS=cfg["regs"]), 4, 1)
+                VARLEN=args.varlen, PINGPONG=K._dq_hopper_cfg(args.d)["pingpong"]), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
             cfg = K._fwd_hopper_cfg(args.d)

@@ -287,48 +287,6 @@ def test_dq_hopper_kernel(stages, pingpong):
         assert max(errs) < 1e-3, errs
 
 
-@pytest.mark.parametrize("wgs", [(3, 160), (2, 240)], ids=["wg3", "wg2"])
-def test_delta_hopper_split(wgs):
-    """The correction pass as its own kernel (delta_hopper.py, TUNE dq_hopper_split) gives the fused dQ kernel's
-    bits: dq, dk, dv and the invariant's row sums equal with and without the split, dense (causal GQA at D=128 and
-    D=64 with the last 192-query block past N, the full mask) and packed (sequences of 1, 64 and 128 tokens, an
-    empty one, tokens after the last, whose padded rows the dQ and dK/dV kernels read delta of); then the split
-    path against the reference."""
-    import triton
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the Gluon kernels are written against Triton 3.6's Gluon API")
-    cu = [0, 64, 64, 192, 1301, 2720]
-    for B, Hq, Hkv, N, D, causal, packed in ((1, 4, 2, 2048, 128, True, False), (2, 2, 2, 1280, 64, True, False),
-                                             (1, 4, 4, 1024, 128, False, False), (1, 4, 2, 4096, 128, True, True),
-                                             (1, 4, 4, 4096, 64, True, True)):
-        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=11)
-        cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda") if packed else None
-        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
-                  config=DeltaMatchConfig())
-        case = dict(fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=packed, window=None, n=N, m=N,
-                    device=q.device, lse2_in=True, p_shift=8, packed=packed)
-        assert K._dq_hopper(D, stale=False, **case)  # the Gluon dQ kernel, with or without the split
-        f = K.forward(q, k, v, **kw)
-        runs = {}
-        for name, tune in (("fused", {}), ("split", dict(dq_hopper_split=wgs))):
-            K.TUNE.update(tune)
-            try:
-                assert (K._delta_hopper_cfg(D) is not None) == (name == "split")
-                runs[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], return_row_sums=not packed, **kw)
-            finally:
-                K.TUNE.clear()
-        print("DELTA SPLIT vs FUSED", B, Hq, Hkv, N, D, causal, packed, wgs,
-              [_rel(a, b) for a, b in zip(runs["split"], runs["fused"])])
-        for a, b in zip(runs["split"], runs["fused"]):
-            assert torch.isfinite(a).all() and torch.equal(a, b)
-    K.TUNE.update(dq_hopper_split=wgs)
-    try:
-        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
-        _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=cu)
-    finally:
-        K.TUNE.clear()
-
-
 @pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240)))],
                          ids=["d128", "d64", "d64-wg-swap"])
 @pytest.mark.parametrize("cu", [[0, 1000, 1001, 3000, 4096], [0, 64, 64, 192, 1301, 2720]])

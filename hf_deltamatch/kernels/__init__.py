@@ -28,8 +28,7 @@ from .forward import _fwd_kernel
 from .launch import (  # noqa: F401  (TUNE and the choosers: tests and benchmarks use them as kernels.*)
     TUNE, TUNE_KEYS, _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
     _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
-    DQ_HOPPER_WARPGROUPS, _delta_hopper_cfg, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper,
-    _fwd_hopper_cfg, _grid,
+    DQ_HOPPER_WARPGROUPS, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid,
     _use_tma, _wait_mma,
 )
 from .quantize import _fill_outside, quantize, quantize_padded, token_major
@@ -328,14 +327,11 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             k8t = kta = token_major(k8, k_order=hopper_dq)  # the Gluon kernels' B operands: fp8_operand
         if hopper_dq:
             from .dq_hopper import dq_hopper
-            pass1 = _correction_pass(q8, k8, v8, do8, sq, sk, sv, sdo, lse, delta, causal=causal,
-                                     softmax_scale=softmax_scale, n=N, nseq=nseq)
             grid, n_tiles, head_group = _grid("dq", _blocks(N, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, bool(causal))
             dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, causal=causal,
                       softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                       head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
-                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, pass1=pass1,
-                      **_dq_hopper_cfg(d))
+                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, **_dq_hopper_cfg(d))
         else:
             if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
                 ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
@@ -387,22 +383,6 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     return _ret()
 
 
-def _correction_pass(q8, k8, v8, do8, sq, sk, sv, sdo, lse, delta, *, causal, softmax_scale, n, nseq,
-                     segments=None) -> bool:
-    """The correction pass (delta) as delta_hopper's own kernel where launch.DQ_HOPPER_SPLIT says; returns whether
-    the Gluon dQ kernel must still run it as its first pass. n: the longest sequence's tokens."""
-    B, Hq, _, D = q8.shape
-    cfg = _delta_hopper_cfg(D)
-    if cfg is None:
-        return True
-    from .delta_hopper import delta_hopper
-    grid, n_tiles, head_group = _grid("dq", _blocks(n, cfg["warpgroups"]), B * Hq, nseq, bool(causal))
-    delta_hopper(q8, k8, v8, do8, sq, sk, sv, sdo, lse, delta, causal=causal, softmax_scale=softmax_scale, grid=grid,
-                 n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), segments=segments,
-                 **cfg)
-    return False
-
-
 def _blocks(n, warpgroups):
     """A Gluon kernel's programs over n rows (queries or keys): 64 per MMA warpgroup."""
     return triton.cdiv(max(n, 1), 64 * warpgroups)
@@ -431,12 +411,10 @@ def _backward_packed(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
     dss_tq, dss_tk = seg.npad // DS_TILE_Q, seg.npad // config.block
     dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
     common = dict(causal=True, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
-    pass1 = _correction_pass(q8, k8, v8, do8, sq, sk, sv, sdo, lse, delta, causal=True, softmax_scale=softmax_scale,
-                             n=max_n, nseq=nseq, segments=seg)
     grid, n_tiles, head_group = _grid("dq", _blocks(max_n, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, True)
     dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
               n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
-              pow2=config.scale_rounding == "pow2", row_sums=False, pass1=pass1, **common, **_dq_hopper_cfg(D))
+              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg(D))
     del k8t
     q8t = token_major(q8_, k_order=True, src=seg.src)
     cfg = _dkdv_hopper_cfg(D)

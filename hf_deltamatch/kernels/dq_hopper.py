@@ -16,8 +16,7 @@ other. Per key tile of 128 keys (stage s), in one warpgroup (rows r0 .. r0+63):
           dQ = dQ * (c / c') + (dS / sds)8 k8   (c' = sds * sk: dq is kept in units of the last tile's c')
 With PINGPONG (on at D=128, launch.DQ_HOPPER_PINGPONG) the two warpgroups take turns to issue their S and dP MMAs
 (FlashAttention-3's ping-pong through named barriers, _gluon.wait_turn), so one's exponentials overlap the other's
-MMAs more often. Without PASS1 the kernel runs pass 2 only and reads delta, which delta_hopper.py's kernel wrote
-(launch.DQ_HOPPER_SPLIT).
+MMAs more often.
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dq_kernel` (tests/test_kernels_gpu.py).
 """
 
@@ -33,25 +32,23 @@ from ._gluon import (
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
-            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr,
-            PASS1: gl.constexpr):
+            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr):
     mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
     tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
-    n_pass1 = n_k if PASS1 else 0
-    for u in range(n_pass1 + n_k):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
+    for u in range(2 * n_k):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
         j = u % n_k
         s = u % STAGES
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
         bar = ready.index(s)
-        if u < n_pass1:
+        if u < n_k:
             mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
         else:
             mbarrier.expect(bar, 3 * k_desc.block_type.nbytes)
         tma_load(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
         tma_load(v_desc, [kv_row + j * BLOCK_N, 0], bar, v_smem.index(s))
-        if u >= n_pass1:
+        if u >= n_k:
             tma_load(kt_desc, [kt_row, kt_col + j * BLOCK_N], bar, kt_smem.index(s))
 
 
@@ -111,14 +108,14 @@ def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, 
 def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
              lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, MASKED: gl.constexpr,
              STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr, WG: gl.constexpr,
-             PINGPONG: gl.constexpr, PASS1: gl.constexpr):
-    """Pass 2 on key tile j (the ring's load n_k + j after pass 1's, j without it): dS, its tile scale (stored for
-    the dK/dV kernel) and dQ += dS8 k8. sk_t, sv_t: its scales; returns the next tile's."""
+             PINGPONG: gl.constexpr):
+    """Pass 2 on key tile j: dS, its tile scale (stored for the dK/dV kernel) and dQ += dS8 k8. sk_t, sv_t: its
+    scales; returns the next tile's."""
     a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
     c = sk_t  # times sds below
     s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
-        q_sub, do_sub, k_smem, v_smem, ready, n_k + j if PASS1 else j, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t,
-        sv_t, lse2, rows, SK, SV, kv_row, MASKED, False, STAGES, WG, PINGPONG)
+        q_sub, do_sub, k_smem, v_smem, ready, n_k + j, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows,
+        SK, SV, kv_row, MASKED, False, STAGES, WG, PINGPONG)
     ds = p * (dp_acc * dpf - delta[:, None])
     if ROW_SUMS:
         rs += gl.sum(ds, 1)
@@ -146,7 +143,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
                    SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
                    dss_tk, dss_col0, out0, length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
-                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PASS1: gl.constexpr):
+                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -160,10 +157,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     dp_f = gl.load(SDO + row0 + r0)
     s_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # fresh accumulators (use_acc=False) carried
     dp_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # from tile to tile: no zero fill per tile
-    if PASS1:
-        delta = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    else:  # delta_hopper's kernel ran the correction pass
-        delta = gl.load(DELTA + row0 + rows)
+    delta = gl.zeros([BLOCK_M], gl.float32, row_layout)
     sk_t = gl.load(SK + kv_row)
     sv_t = gl.load(SV + kv_row)
     # the causal diagonal key tile (the program's last) peeled off both loops: with the mask under a runtime
@@ -173,15 +167,14 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     if PINGPONG:
         if WG == 1:  # warpgroup 0 issues first
             pass_turn(WG)
-    if PASS1:
-        for u in range(n_plain):  # pass 1: delta = rowsum(P * dP), the correction pass
-            s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
-                q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows, s_acc,
-                dp_acc, delta, sk_t, sv_t, False, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
-        if CAUSAL:
-            s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
-                q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
-                s_acc, dp_acc, delta, sk_t, sv_t, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
+    for u in range(n_plain):  # pass 1: delta = rowsum(P * dP), the correction pass
+        s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+            q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows, s_acc,
+            dp_acc, delta, sk_t, sv_t, False, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
+    if CAUSAL:
+        s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+            q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
+            s_acc, dp_acc, delta, sk_t, sv_t, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
     rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
@@ -191,12 +184,12 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
         s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
             q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
             lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, False, STAGES, FMAX, POW2, ROW_SUMS,
-            WG, PINGPONG, PASS1)
+            WG, PINGPONG)
     if CAUSAL:
         s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
             q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
             dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, True, STAGES, FMAX, POW2, ROW_SUMS,
-            WG, PINGPONG, PASS1)
+            WG, PINGPONG)
     if PINGPONG:
         if WG == 0:  # the turn warpgroup 1 passed with its last MMAs: every named-barrier arrive is consumed
             wait_turn(WG)
@@ -208,8 +201,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
         gl.store(dptrs, dq.to(DQ.dtype.element_ty), mask=(drows < length)[:, None])
     else:
         gl.store(dptrs, dq.to(DQ.dtype.element_ty))
-    if PASS1:
-        gl.store(DELTA + row0 + rows, delta)
+    gl.store(DELTA + row0 + rows, delta)
     gl.store(LSE2 + row0 + rows, lse2 - 8.0)  # for the dK/dV kernel: its exp2 then yields P * 256
     if ROW_SUMS:
         gl.store(RS + row0 + rows, rs)
@@ -222,7 +214,7 @@ def _bwd_dq_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
-    VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PASS1: gl.constexpr,
+    VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
     base, length, start = _segment(CU, PCU, N, VARLEN)
@@ -254,22 +246,22 @@ def _bwd_dq_hopper_kernel(
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
                           dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS,
-                          VARLEN, PINGPONG, PASS1)),
+                          VARLEN, PINGPONG)),
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
                           dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
-                          ROW_SUMS, VARLEN, PINGPONG, PASS1)),
+                          ROW_SUMS, VARLEN, PINGPONG)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
-                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D, PASS1)),
+                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D)),
     ], [4, 1], [240, 24])
 
 
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
               dss_tq, dss_tk, grid, n_tiles, head_group, stages, pingpong, scale_after_sum, fmax, pow2, row_sums,
-              pass1=True, segments=None):
+              segments=None):
     """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
     the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
-    tensor but dq in its padded layout. pass1=False: delta holds the correction pass's result (delta_hopper)."""
+    tensor but dq in its padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
@@ -278,6 +270,5 @@ def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, 
         _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
         dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
-        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong),
-        PASS1=bool(pass1), num_warps=4,
+        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong), num_warps=4,
     )

@@ -19,7 +19,6 @@ from ._fp8 import INTERPRET
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
 # and delta, as _dkdv_fold_ds_scale), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong": 0, 1, 2 (see DQ_HOPPER_PINGPONG),
-# "dq_hopper_split": the correction pass as its own kernel (see _delta_hopper_cfg), "delta_hopper_stages": its ring,
 # "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
 # "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
 # {head dim: that} (see FWD_HOPPER_WARPGROUPS),
@@ -29,7 +28,7 @@ TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dq_hopper", "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs",
-              "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong", "dq_hopper_split", "delta_hopper_stages"}
+              "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -212,10 +211,6 @@ DQ_HOPPER_PINGPONG = {128: 1}
 # at D=64) and, with the second pass in 64-key halves (no spills), were no faster (run 0625: 2.52 vs 2.51 ms dense
 # D=64, 1.865 vs 1.859 packed); commit 6f8193a has that version
 DQ_HOPPER_WARPGROUPS = 2
-# The correction pass as its own kernel (delta_hopper.py), by head dim: (MMA warpgroups, registers) of that kernel,
-# whose S and dP fit three warpgroups' registers; the dQ kernel then runs its second pass only. Not yet measured.
-DQ_HOPPER_SPLIT = {}
-DELTA_HOPPER_STAGES = 2
 
 
 # Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence at rows starting at
@@ -306,22 +301,6 @@ def _dq_hopper_cfg(d: int) -> dict:
     TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"]."""
     return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)),
                 pingpong=int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0))))
-
-
-def _delta_hopper_cfg(d: int) -> dict | None:
-    """delta_hopper.delta_hopper's options at head dim d if the correction pass runs as its own kernel
-    (DQ_HOPPER_SPLIT, or TUNE["dq_hopper_split"]: (warpgroups, registers), {head dim: that}, or False), else
-    None; TUNE["delta_hopper_stages"]."""
-    want = TUNE.get("dq_hopper_split", DQ_HOPPER_SPLIT)
-    if isinstance(want, dict):
-        want = want.get(d)
-    if not want:
-        return None
-    wgs, regs = want
-    if wgs not in (2, 3):
-        raise ValueError(f"dq_hopper_split: 2 or 3 MMA warpgroups, got {wgs}")
-    return dict(warpgroups=int(wgs), regs=int(regs),
-                stages=int(TUNE.get("delta_hopper_stages", DELTA_HOPPER_STAGES)))
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
