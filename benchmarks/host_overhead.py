@@ -7,8 +7,9 @@ A call's host time is what its launches cost the CPU; when it exceeds the kernel
 sequences, the forward). Measured on a small shape (B=1, H=2, N=1024, D=128, causal), where the GPU work is
 tiny: the mean wall time of 200 calls issued back to back, synchronized once at the end. --profile adds the
 top of a cProfile of 50 calls per path (where the host time goes). --op adds the whole op's forward + backward
-(`deltamatch_attention` under autograd, as a model calls it) on the Gluon path, the host floor of one Triton
-launch (an empty kernel) and of one torch.empty, and a cProfile of 50 op calls sorted by self time.
+(`deltamatch_attention` under autograd, as a model calls it) on the Gluon path, the host floors (an empty Triton
+launch, a torch.empty, the autograd engine on an identity), its backward node called directly and through the
+engine, and with --profile a cProfile of 50 op calls by self time and torch.profiler's CPU-side table.
 """
 
 import argparse
