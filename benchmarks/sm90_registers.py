@@ -246,7 +246,8 @@ def main():
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                             STAGES=cfg["stages"], FOLD=cfg["fold"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
-                                                            REGS=cfg["regs"]), 4, 1)
+                                                            REGS=cfg["regs"],
+                                                            PAIRS=cfg["pairs"]), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             cfg = K._dq_hopper_cfg(args.d)

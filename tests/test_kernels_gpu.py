@@ -287,6 +287,38 @@ def test_dq_hopper_kernel(stages, pingpong):
         assert max(errs) < 1e-3, errs
 
 
+@pytest.mark.parametrize("wgs", [(2, 240), (3, 160)], ids=["wg2", "wg3"])
+def test_dkdv_hopper_pairs_bit_identical(wgs):
+    """The Gluon dK/dV kernel skipping dv's rescale on the second query tile of each 128-row dO8 quantization tile
+    (TUNE dkdv_hopper_pairs; two warpgroups: tiles in pairs, three: a runtime test) gives the same bits as with the
+    rescale, which there multiplies by exactly 1: dense causal GQA and the full mask at D 128 and 64 (N = 1280:
+    three warpgroups' 192-key programs start at odd 64-row tiles), and packed batches; D=64 with two or three
+    warpgroups (`wgs`), D=128 with two."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    cases = [(2, 4, 2, 2048, 128, True, None), (1, 4, 4, 1024, 128, False, None), (2, 4, 2, 1280, 64, True, None),
+             (1, 2, 2, 1152, 64, False, None), (1, 4, 2, 4096, 128, True, [0, 64, 64, 192, 1301, 2720]),
+             (1, 4, 2, 4096, 64, True, [0, 1000, 1001, 3000, 4096])]
+    for B, Hq, Hkv, N, D, causal, cu in cases:
+        if D == 128 and wgs[0] == 3:  # D=128 runs two (three spill)
+            continue
+        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=11)
+        cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
+                  config=DeltaMatchConfig())
+        f = K.forward(q, k, v, **kw)
+        grads = {}
+        for pairs in (False, True):
+            K.TUNE.update(dkdv_hopper_pairs=pairs, dkdv_hopper_wgs={64: wgs})
+            try:
+                grads[pairs] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+            finally:
+                K.TUNE.clear()
+        for a, b in zip(grads[True], grads[False]):
+            assert torch.equal(a, b), (B, Hq, Hkv, N, D, causal, cu, wgs, _rel(a, b))
+
+
 @pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240)))],
                          ids=["d128", "d64", "d64-wg-swap"])
 @pytest.mark.parametrize("cu", [[0, 1000, 1001, 3000, 4096], [0, 64, 64, 192, 1301, 2720]])

@@ -81,10 +81,11 @@ def _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk):
 @gluon.jit
 def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
           bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv, masked,
-          CAUSAL: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr):
+          CAUSAL: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr):
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
     AHEAD: sq_t, sdo_t, sds (the tile's q8, dO8 and dS scales) were loaded a tile ahead by the caller; else they
-    are loaded here, under the MMAs."""
+    are loaded here, under the MMAs. RESCALE_DV False: the tile shares its dO8 quantization tile (128 rows) with
+    the one this warpgroup did before it, so dv's rescale would multiply by exactly 1."""
     s_layout: gl.constexpr = s_acc.type.layout
     a_layout: gl.constexpr = fp8_a_layout(dk.type.layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -109,7 +110,8 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     # every tile, though odd tiles share their dO quantization tile with the one before: skipping their
     # rescale made dV differ from _bwd_dkdv_kernel's by 1e-3 and the kernel 12 % slower at D=64 (run 0156)
     cv = sdo_t * (1.0 / 256.0)
-    dv = dv * (c_dv / cv)
+    if RESCALE_DV:
+        dv = dv * (c_dv / cv)
     c_dv = cv
     p8 = fp8_operand(p256, a_layout)
     dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
@@ -133,10 +135,63 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
 
 
 @gluon.jit
+def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n, sdo_n,
+          sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col, first,
+          s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+          FOLD: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr, SKIP_DV: gl.constexpr):
+    """The ring's t-th query tile (tile i of the group's head g) through one warpgroup, its stage released after.
+    GROUPS > 1: the tile's scales were loaded a tile ahead (sq_n, sdo_n, sds_n), and the next tile's are loaded
+    here; returns (g, i) of the next tile."""
+    if GROUPS == 1:
+        g = 0
+        i = t
+        sq_t = col_f  # unread: the tile loads its scales
+        sdo_t = col_f
+        sds = col_f
+        g1 = g
+        i1 = i
+    else:
+        sq_t, sdo_t, sds = sq_n, sdo_n, sds_n
+        wrap = i + 1 == n_q  # the next tile (the last reloads its own)
+        g1 = gl.where(wrap, gl.minimum(g + 1, GROUPS - 1), g)
+        i1 = gl.where(wrap, gl.where(g + 1 < GROUPS, 0, i), i + 1)
+        sq_n, sdo_n, sds_n = _tile_scales(SQ_G, SDO_G, DSS_G, g1, i1, N, dss_tq, dss_tk)
+    m0 = lo + i * BLOCK_M
+    s = t % STAGES
+    mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    if WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
+        s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+            k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
+            dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+            i < 2, CAUSAL, FOLD, GROUPS > 1, RESCALE_DV)
+    elif SKIP_DV:  # three warpgroups: the tile's dO8 quantization tile is the one of the tile before it (odd
+        # m0 / 64) and this warpgroup did that tile (i > first): no dv rescale (a runtime test, one per tile)
+        if i > first and (m0 // BLOCK_M) % 2 == 1:
+            s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
+                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+                False, CAUSAL, FOLD, GROUPS > 1, False)
+        elif i >= first:
+            s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
+                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+                i == first, CAUSAL, FOLD, GROUPS > 1, True)
+    else:
+        if i >= first:  # the diagonal tile is this warpgroup's first
+            s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
+                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+                i == first, CAUSAL, FOLD, GROUPS > 1, RESCALE_DV)
+    mbarrier.arrive(empty.index(s))  # this stage's tiles are read
+    return s_acc, dp_acc, dk, dv, c_dk, c_dv, g1, i1, sq_n, sdo_n, sds_n
+
+
+@gluon.jit
 def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
                    SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    key_end, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr):
+                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
+                   PAIRS: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     kb = n0 + WG * 64  # this warpgroup's first key
@@ -170,43 +225,40 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     # Without GQA both made the kernel slower (1.408 -> 1.511 ms at D=128): the loads stay in the tile there.
     g = 0
     i = 0
+    SQ_G = SQ  # GROUPS > 1: at the group's first tile
+    SDO_G = SDO
+    DSS_G = DSS
     if GROUPS > 1:
         SQ_G = SQ + bh0 * N + lo
         SDO_G = SDO + bh0 * N + lo
         DSS_G = DSS + (bh0 * dss_tq + lo // BLOCK_M) * dss_tk + dss_col
         sq_n, sdo_n, sds_n = _tile_scales(SQ_G, SDO_G, DSS_G, g, i, N, dss_tq, dss_tk)
+    else:
+        sq_n = col_f  # unread: each tile loads its scales
+        sdo_n = col_f
+        sds_n = col_f
     mbarrier.wait(kv_bar, 0)
-    for t in range(GROUPS * n_q):
-        if GROUPS == 1:
-            g = 0
-            i = t
-            sq_t = col_f  # unread: the tile loads its scales
-            sdo_t = col_f
-            sds = col_f
-        else:
-            sq_t, sdo_t, sds = sq_n, sdo_n, sds_n
-            wrap = i + 1 == n_q  # the next tile (the last reloads its own)
-            g1 = gl.where(wrap, gl.minimum(g + 1, GROUPS - 1), g)
-            i1 = gl.where(wrap, gl.where(g + 1 < GROUPS, 0, i), i + 1)
-            sq_n, sdo_n, sds_n = _tile_scales(SQ_G, SDO_G, DSS_G, g1, i1, N, dss_tq, dss_tk)
-        m0 = lo + i * BLOCK_M
-        s = t % STAGES
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        if WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
-            s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
-                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
-                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
-                i < 2, CAUSAL, FOLD, GROUPS > 1)
-        else:
-            if i >= first:  # the diagonal tile is this warpgroup's first
-                s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
-                    k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys,
-                    col_f, dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv,
-                    c_dk, c_dv, i == first, CAUSAL, FOLD, GROUPS > 1)
-        mbarrier.arrive(empty.index(s))  # this stage's tiles are read
-        if GROUPS > 1:
-            g = g1
-            i = i1
+    # PAIRS: the second query tile of each 128-row dO8 quantization tile without dv's rescale (_tile's RESCALE_DV);
+    # with two warpgroups two tiles per iteration (n_q is even), with three a runtime test per tile (_step's SKIP_DV)
+    if PAIRS and WGS == 2:
+        for t2 in range(GROUPS * n_q // 2):
+            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2, g, i,
+                sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
+                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS,
+                True, False)
+            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + 1, g,
+                i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
+                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS,
+                False, False)
+    else:
+        for t in range(GROUPS * n_q):
+            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n,
+                sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS,
+                True, PAIRS)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
@@ -226,7 +278,7 @@ def _bwd_dkdv_hopper_kernel(
     k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
-    VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr,
+    VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr, PAIRS: gl.constexpr,
 ):
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
     # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
@@ -274,11 +326,11 @@ def _bwd_dkdv_hopper_kernel(
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS)),
+                              WGS, PAIRS)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS)),
+                              WGS, PAIRS)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -297,15 +349,15 @@ def _bwd_dkdv_hopper_kernel(
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS)),
+                              WGS, PAIRS)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f1, dp_f1, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS)),
+                              WGS, PAIRS)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f2, dp_f2, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 2, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS)),
+                              WGS, PAIRS)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -313,7 +365,7 @@ def _bwd_dkdv_hopper_kernel(
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
-                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, segments=None):
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, pairs, segments=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded
@@ -328,5 +380,5 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, num_warps=4,
+        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), num_warps=4,
     )

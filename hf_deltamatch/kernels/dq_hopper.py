@@ -120,7 +120,7 @@ def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, S
     if ROW_SUMS:
         rs += gl.sum(ds, 1)
         ra += gl.sum(gl.abs(ds), 1)
-    sds = tile_scale(gl.max(gl.max(gl.abs(ds), 1), 0), FMAX, POW2)
+    sds = tile_scale(gl.max(gl.abs(ds), None), FMAX, POW2)
     gl.store(DSS + dss_at + j, sds)  # this warpgroup's tile, for the dK/dV kernel
     c = sds * c
     dq = dq * (c_dq / c)
