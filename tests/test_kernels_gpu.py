@@ -228,7 +228,9 @@ def test_dkdv_hopper_kernel(stages, fold, wgs64):
     finally:
         K.TUNE.clear()
     for errs in _gluon_vs_triton(dict(dkdv_hopper=True, dq_hopper=False), opts, seed=3):
-        assert errs[0] == 0.0 and errs[1] < 1e-3 and errs[2] < 1e-3, errs  # dQ: the same Triton kernel
+        # dQ: the same Triton kernel; dV 3e-3: the query tiles in pairs (launch.DKDV_HOPPER_PAIRS) skip a rescale
+        # the Triton kernel makes (test_dkdv_hopper_pairs)
+        assert errs[0] == 0.0 and errs[1] < 1e-3 and errs[2] < 3e-3, errs
 
 
 def _gluon_vs_triton(gluon, opts, seed):
@@ -287,36 +289,41 @@ def test_dq_hopper_kernel(stages, pingpong):
         assert max(errs) < 1e-3, errs
 
 
-@pytest.mark.parametrize("wgs", [(2, 240), (3, 160)], ids=["wg2", "wg3"])
-def test_dkdv_hopper_pairs_bit_identical(wgs):
-    """The Gluon dK/dV kernel skipping dv's rescale on the second query tile of each 128-row dO8 quantization tile
-    (TUNE dkdv_hopper_pairs; two warpgroups: tiles in pairs, three: a runtime test) gives the same bits as with the
-    rescale, which there multiplies by exactly 1: dense causal GQA and the full mask at D 128 and 64 (N = 1280:
-    three warpgroups' 192-key programs start at odd 64-row tiles), and packed batches; D=64 with two or three
-    warpgroups (`wgs`), D=128 with two."""
+@pytest.mark.parametrize("peel", [False, True], ids=["loop", "peel"])
+def test_dkdv_hopper_pairs(peel):
+    """The Gluon dK/dV kernel with its query tiles in pairs (TUNE dkdv_hopper_pairs: the second tile of each 128-row
+    dO8 quantization tile skips dv's rescale, whose factor c / c' is 1 up to the division's rounding) and with the
+    causal diagonal's tiles before the loop (dkdv_hopper_peel), against the same kernel without either: dQ
+    untouched, and dK, dV as close to the reference backward (fp32 products, from the same saved tensors) as
+    without: dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups, 128-key programs) and packed
+    batches. The differences between the two runs are printed."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    cases = [(2, 4, 2, 2048, 128, True, None), (1, 4, 4, 1024, 128, False, None), (2, 4, 2, 1280, 64, True, None),
-             (1, 2, 2, 1152, 64, False, None), (1, 4, 2, 4096, 128, True, [0, 64, 64, 192, 1301, 2720]),
-             (1, 4, 2, 4096, 64, True, [0, 1000, 1001, 3000, 4096])]
+    cases = [(2, 4, 4, 2048, 128, True, None), (2, 4, 2, 2048, 128, True, None), (1, 4, 4, 1024, 128, False, None),
+             (2, 4, 2, 1280, 64, True, None), (1, 2, 2, 1152, 64, False, None),
+             (1, 4, 4, 4096, 128, True, [0, 64, 64, 192, 1301, 2720])]
     for B, Hq, Hkv, N, D, causal, cu in cases:
-        if D == 128 and wgs[0] == 3:  # D=128 runs two (three spill)
-            continue
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=11)
         cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
                   config=DeltaMatchConfig())
-        f = K.forward(q, k, v, **kw)
+        f = R.forward(q, k, v, **kw)  # the saved tensors both backward passes start from
+        ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
         grads = {}
-        for pairs in (False, True):
-            K.TUNE.update(dkdv_hopper_pairs=pairs, dkdv_hopper_wgs={64: wgs})
+        for on in (False, True):
+            K.TUNE.update(dkdv_hopper_pairs=on, dkdv_hopper_peel=on and peel, dkdv_hopper_wgs={64: (2, 240)})
             try:
-                grads[pairs] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+                grads[on] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
                 K.TUNE.clear()
-        for a, b in zip(grads[True], grads[False]):
-            assert torch.equal(a, b), (B, Hq, Hkv, N, D, causal, cu, wgs, _rel(a, b))
+        between = [_rel(a, b) for a, b in zip(grads[True], grads[False])]
+        to_ref = {on: [_rel(a, b) for a, b in zip(grads[on], ref)] for on in (False, True)}
+        print("DKDV PAIRS", (B, Hq, Hkv, N, D, causal, cu), "peel" if peel else "", "between", between,
+              "vs reference: plain", to_ref[False], "pairs", to_ref[True])
+        assert between[0] == 0.0 and max(between) < 3e-3, between
+        for e_pairs, e_plain in zip(to_ref[True][1:], to_ref[False][1:]):
+            assert e_pairs < 1.1 * e_plain + 1e-4, (to_ref, between)
 
 
 @pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240)))],
