@@ -242,14 +242,12 @@ def main():
         }
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
-            cfg = K._dkdv_hopper_cfg(args.d)
+            cfg = K._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen)
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                             STAGES=cfg["stages"], FOLD=cfg["fold"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
                                                             REGS=cfg["regs"],
-                                                            PAIRS=cfg["pairs"] and cfg["warpgroups"] == 2,
-                                                            PEEL=cfg["peel"] and causal and args.groups == 1
-                                                            and cfg["warpgroups"] == 2), 4, 1)
+                                                            PAIRS=cfg["pairs"] and cfg["warpgroups"] == 2), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             cfg = K._dq_hopper_cfg(args.d)

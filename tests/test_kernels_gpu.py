@@ -289,14 +289,12 @@ def test_dq_hopper_kernel(stages, pingpong):
         assert max(errs) < 1e-3, errs
 
 
-@pytest.mark.parametrize("peel", [False, True], ids=["loop", "peel"])
-def test_dkdv_hopper_pairs(peel):
+def test_dkdv_hopper_pairs():
     """The Gluon dK/dV kernel with its query tiles in pairs (TUNE dkdv_hopper_pairs: the second tile of each 128-row
-    dO8 quantization tile skips dv's rescale, whose factor c / c' is 1 up to the division's rounding) and with the
-    causal diagonal's tiles before the loop (dkdv_hopper_peel), against the same kernel without either: dQ
-    untouched, and dK, dV as close to the reference backward (fp32 products, from the same saved tensors) as
-    without: dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups, 128-key programs) and packed
-    batches. The differences between the two runs are printed."""
+    dO8 quantization tile skips dv's rescale, whose factor c / c' is 1 up to the division's rounding) against the
+    same kernel with single tiles: dQ untouched, and dK, dV as close to the reference backward (fp32 products, from
+    the same saved tensors) as without: dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups,
+    128-key programs) and a packed batch. The differences between the two runs are printed."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
@@ -312,14 +310,14 @@ def test_dkdv_hopper_pairs(peel):
         ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
         grads = {}
         for on in (False, True):
-            K.TUNE.update(dkdv_hopper_pairs=on, dkdv_hopper_peel=on and peel, dkdv_hopper_wgs={64: (2, 240)})
+            K.TUNE.update(dkdv_hopper_pairs=on, dkdv_hopper_wgs={64: (2, 240)})
             try:
                 grads[on] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
                 K.TUNE.clear()
         between = [_rel(a, b) for a, b in zip(grads[True], grads[False])]
         to_ref = {on: [_rel(a, b) for a, b in zip(grads[on], ref)] for on in (False, True)}
-        print("DKDV PAIRS", (B, Hq, Hkv, N, D, causal, cu), "peel" if peel else "", "between", between,
+        print("DKDV PAIRS", (B, Hq, Hkv, N, D, causal, cu), "between", between,
               "vs reference: plain", to_ref[False], "pairs", to_ref[True])
         assert between[0] == 0.0 and max(between) < 3e-3, between
         for e_pairs, e_plain in zip(to_ref[True][1:], to_ref[False][1:]):

@@ -356,7 +356,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             q8t, do8t = qta, dota = token_major(q8, k_order=hopper), token_major(do8, k_order=hopper)
         if hopper:
             from .dkdv_hopper import dkdv_hopper
-            cfg = _dkdv_hopper_cfg(d)
+            cfg = _dkdv_hopper_cfg(d, causal=bool(causal), groups=Hq // Hkv, packed=False)
             grid, n_tiles, head_group = _grid("dkdv", _blocks(M, cfg["warpgroups"]), B * Hkv, nseq, bool(causal))
             dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
@@ -417,7 +417,7 @@ def _backward_packed(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
               pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg(D))
     del k8t
     q8t = token_major(q8_, k_order=True, src=seg.src)
-    cfg = _dkdv_hopper_cfg(D)
+    cfg = _dkdv_hopper_cfg(D, causal=True, groups=Hq // Hkv, packed=True)
     grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, True)
     dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
                 head_group=head_group, **common, **cfg)

@@ -17,8 +17,8 @@ from ._fp8 import INTERPRET
 # _dkdv_ds_scales), "dkdv_block_n": the dK/dV kernel's key tile (see _dkdv_block_n), "dkdv_fold_ds_scale": True /
 # False (see _dkdv_fold_ds_scale), "dkdv_hopper": True / False for the Gluon dK/dV kernel where it applies (see
 # _dkdv_hopper), "dkdv_hopper_stages": its ring of q/dO buffers, "dkdv_hopper_fold": True / False (1/sds in dP's scale
-# and delta, as _dkdv_fold_ds_scale), "dkdv_hopper_pairs" / "dkdv_hopper_peel": True / False (see
-# DKDV_HOPPER_PAIRS, DKDV_HOPPER_PEEL), "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
+# and delta, as _dkdv_fold_ds_scale), "dkdv_hopper_pairs": True / False (see DKDV_HOPPER_PAIRS),
+# "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong": 0, 1, 2 (see DQ_HOPPER_PINGPONG),
 # "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
 # "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
@@ -28,7 +28,7 @@ from ._fp8 import INTERPRET
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages", "fwd_hopper",
+              "dkdv_hopper_fold", "dkdv_hopper_pairs", "dq_hopper", "dq_hopper_stages", "fwd_hopper",
               "fwd_hopper_stages", "fwd_hopper_wgs", "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
@@ -200,12 +200,14 @@ DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta: 1.55 -> 1.51 ms at D=1
 # D=64, where the kernel needs under 128 registers (H200, run 0537: N=8192 causal 2.08 -> 1.76 ms, the packed batch
 # of kernel_breakdown.py 1.66 -> 1.27); at D=128 the dK and dV accumulators alone take 128
 DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
-# With two warpgroups, the query tiles in pairs that share their 128-row dO8 quantization tile: the second skips
-# dv's rescale, a multiply by exactly 1 (64 of the 538 instructions per tile at D=128); bit-identical.
+# With two warpgroups (D=128), the query tiles in pairs that share their 128-row dO8 quantization tile: the second
+# skips dv's rescale (c / c' = 1 up to the division's rounding; 538 -> 501 SASS instructions per tile, causal), by
+# case: H200, N=8192, dK/dV kernel ms, two same-run readings each (run 1108): full 2.844/2.836 -> 2.661/2.725, GQA
+# 1.441/1.460 -> 1.369/1.367, the packed batch 1.073/1.076 -> 1.041/1.041, but dense causal without GQA 1.424/1.410
+# -> 1.483/1.507, which keeps single tiles. (That case with the diagonal's two tiles also peeled off the loop, 408
+# instructions per tile: 1.387 once, run 1135, but it hung on the packed batch; not kept.) dV differs from the
+# single-tile loop's by up to 1.3e-3 and is as close to the reference (tests/test_kernels_gpu.py).
 DKDV_HOPPER_PAIRS = True
-# With two warpgroups, causal and no GQA: the two query tiles across the diagonal before the loop, so that the loop's
-# tiles carry no mask test (as the dQ kernel's diagonal key tile).
-DKDV_HOPPER_PEEL = True
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
 # The two MMA warpgroups take turns to issue their MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
@@ -289,12 +291,12 @@ def _warpgroups(kernel: str, d: int, table: dict) -> dict:
     return dict(warpgroups=int(wgs), regs=int(regs))
 
 
-def _dkdv_hopper_cfg(d: int) -> dict:
-    """dkdv_hopper.dkdv_hopper's options at head dim d: DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
+def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
+    """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
+    DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
-                pairs=bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS)),
-                peel=bool(TUNE.get("dkdv_hopper_peel", DKDV_HOPPER_PEEL)),
+                pairs=bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and (not causal or groups > 1 or packed))),
                 **_warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS))
 
 
