@@ -481,6 +481,23 @@ def test_gluon_kernels_by_head_dim(monkeypatch):
         assert not launch._dq_hopper(d, stale=True, **case)  # the Gluon dQ kernel has no stale delta
 
 
+def test_dkdv_hopper_pairs_by_case():
+    """The Gluon dK/dV kernel takes its query tiles in pairs (launch.DKDV_HOPPER_PAIRS) on the full mask and GQA,
+    where that paid on the H200, not for dense causal attention without GQA, where it did not, and never on a packed
+    batch, whose sequences may have an odd number of query tiles: asking for it there is refused."""
+    from hf_deltamatch.kernels import launch
+    for causal, groups, packed, want in ((False, 1, False, True), (True, 4, False, True), (True, 1, False, False),
+                                         (True, 1, True, False), (True, 4, True, False)):
+        assert launch._dkdv_hopper_cfg(128, causal=causal, groups=groups, packed=packed)["pairs"] == want
+    K.TUNE["dkdv_hopper_pairs"] = True
+    try:
+        assert launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)["pairs"]
+        with pytest.raises(ValueError, match="not on packed batches"):
+            launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=True)
+    finally:
+        K.TUNE.clear()
+
+
 def test_gluon_kernels_only_where_they_apply():
     """The Gluon kernels (dkdv_hopper.py, dq_hopper.py, fwd_hopper.py; TUNE dkdv_hopper, dq_hopper, fwd_hopper)
     run only on an sm_90 GPU with Triton 3.6 and only for their case; anywhere else (the interpreter here, a

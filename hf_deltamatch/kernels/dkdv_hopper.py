@@ -108,7 +108,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             cols = m0 + gl.arange(0, BLOCK_M, col_layout)
             p256 = gl.where(keys[:, None] <= cols[None, :], p256, 0.0)
     # RESCALE_DV False (launch.DKDV_HOPPER_PAIRS): c_dv / cv is 1 up to the division's rounding, yet dV then differs
-    # from _bwd_dkdv_kernel's by up to 1.3e-3 (as close to the reference); a runtime skip with three warpgroups
+    # from _bwd_dkdv_kernel's by up to 1.4e-3 (slightly closer to the reference); a runtime skip with three warpgroups
     # made the kernel slower at D=64 (run 0156: 12 %; run 1108: 1.76 -> 1.82 ms)
     cv = sdo_t * (1.0 / 256.0)
     if RESCALE_DV:
@@ -227,8 +227,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         sdo_n = col_f
         sds_n = col_f
     mbarrier.wait(kv_bar, 0)
-    # PAIRS (two warpgroups): query tiles two per iteration (n_q is even), the second without dv's rescale (it shares
-    # the first's 128-row dO8 quantization tile: _tile's RESCALE_DV)
+    # PAIRS (two warpgroups, dense batches, where n_q is even): query tiles two per iteration, the second without dv's
+    # rescale (it shares the first's 128-row dO8 quantization tile: _tile's RESCALE_DV)
     if PAIRS:
         for t2 in range(GROUPS * n_q // 2):
             s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
@@ -366,5 +366,5 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs) and warpgroups == 2, num_warps=4,
+        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs) and warpgroups == 2 and segments is None, num_warps=4,
     )

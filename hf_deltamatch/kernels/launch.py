@@ -203,10 +203,11 @@ DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 # With two warpgroups (D=128), the query tiles in pairs that share their 128-row dO8 quantization tile: the second
 # skips dv's rescale (c / c' = 1 up to the division's rounding; 538 -> 501 SASS instructions per tile, causal), by
 # case: H200, N=8192, dK/dV kernel ms, two same-run readings each (run 1108): full 2.844/2.836 -> 2.661/2.725, GQA
-# 1.441/1.460 -> 1.369/1.367, the packed batch 1.073/1.076 -> 1.041/1.041, but dense causal without GQA 1.424/1.410
-# -> 1.483/1.507, which keeps single tiles. (That case with the diagonal's two tiles also peeled off the loop, 408
-# instructions per tile: 1.387 once, run 1135, but it hung on the packed batch; not kept.) dV differs from the
-# single-tile loop's by up to 1.3e-3 and is as close to the reference (tests/test_kernels_gpu.py).
+# 1.441/1.460 -> 1.369/1.367, but dense causal without GQA 1.424/1.410 -> 1.483/1.507, which keeps single tiles.
+# dV then differs from the single-tile loop's by up to 1.4e-3 and is slightly closer to the reference (GPU run
+# dbe6443). Not on packed batches: a sequence may have an odd number of 64-row query tiles (the pairs then drop
+# its last; run dbe6443 caught it). The causal diagonal's two tiles peeled off the loop as well (408 instructions
+# per tile) read 1.387 ms once (run 1135) but hung on a packed batch for the same reason; not kept.
 DKDV_HOPPER_PAIRS = True
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
@@ -291,12 +292,24 @@ def _warpgroups(kernel: str, d: int, table: dict) -> dict:
     return dict(warpgroups=int(wgs), regs=int(regs))
 
 
+def _dkdv_hopper_pairs(*, causal: bool, groups: int, packed: bool) -> bool:
+    """Whether the Gluon dK/dV kernel takes its query tiles in pairs (DKDV_HOPPER_PAIRS, or TUNE["dkdv_hopper_pairs"])
+    for the case: the full mask or GQA, never a packed batch."""
+    want = TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and (not causal or groups > 1))
+    if want and packed:
+        if "dkdv_hopper_pairs" in TUNE:
+            raise ValueError("dkdv_hopper_pairs: not on packed batches, whose sequences may have an odd number of "
+                             "64-row query tiles; leave it unset there")
+        return False
+    return bool(want)
+
+
 def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
     DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
-                pairs=bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and (not causal or groups > 1 or packed))),
+                pairs=_dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed),
                 **_warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS))
 
 
