@@ -207,7 +207,7 @@ DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 # dV then differs from the single-tile loop's by up to 1.4e-3 and is slightly closer to the reference (GPU run
 # dbe6443). Not on packed batches: a sequence may have an odd number of 64-row query tiles (the pairs then drop
 # its last; run dbe6443 caught it). The causal diagonal's two tiles peeled off the loop as well (408 instructions
-# per tile) read 1.387 ms once (run 1135) but hung on a packed batch for the same reason; not kept.
+# per tile) read 1.387 ms once (run 1126) but hung on a packed batch for the same reason; not kept.
 DKDV_HOPPER_PAIRS = True
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
