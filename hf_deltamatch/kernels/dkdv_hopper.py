@@ -227,8 +227,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         sdo_n = col_f
         sds_n = col_f
     mbarrier.wait(kv_bar, 0)
-    # PAIRS (two warpgroups, dense batches, where n_q is even): query tiles two per iteration, the second without dv's
-    # rescale (it shares the first's 128-row dO8 quantization tile: _tile's RESCALE_DV)
+    # PAIRS (two warpgroups; n_q is even): query tiles two per iteration, the second without dv's rescale (it shares
+    # the first's 128-row dO8 quantization tile: _tile's RESCALE_DV)
     if PAIRS:
         for t2 in range(GROUPS * n_q // 2):
             s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
@@ -283,7 +283,10 @@ def _bwd_dkdv_hopper_kernel(
     if CAUSAL:
         lo = n0
     if VARLEN:  # causal: the query tiles from the diagonal to the sequence's last (padded rows have P = 0)
-        n_q = (base + (length + BLOCK_M - 1) // BLOCK_M * BLOCK_M - lo) // BLOCK_M
+        if PAIRS:  # to its last 128-row tile (an even number; the dQ kernel wrote that tile's dS scale, 1)
+            n_q = (base + (length + BLOCK_N - 1) // BLOCK_N * BLOCK_N - lo) // BLOCK_M
+        else:
+            n_q = (base + (length + BLOCK_M - 1) // BLOCK_M * BLOCK_M - lo) // BLOCK_M
         out_row = pid_bh * N_OUT + start - base  # + a padded key row: its packed row in dK, dV
     else:
         n_q = (N - lo) // BLOCK_M
@@ -366,5 +369,5 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs) and warpgroups == 2 and segments is None, num_warps=4,
+        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs) and warpgroups == 2, num_warps=4,
     )
