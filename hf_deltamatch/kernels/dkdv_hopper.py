@@ -22,7 +22,9 @@ Per query tile of 64 rows (stage s), in one warpgroup (keys kb .. kb+63):
     P^T * 256 = exp2(S^T * sk sq scale log2e - LSE2)         (LSE2 from the dQ kernel, 8 subtracted)
     dV = dV * (c_dv / cv) + P8^T dO8                         (cv = sdo / 256: dv is kept in units of cv)
     dS^T = P^T (dP^T * sv sdo - delta),  dK = dK * (c_dk / ck) + (dS^T / sds)8 q8   (ck = sds * sq)
-with sds the dQ kernel's scale of the tile (DSS): the values and roundings of `_bwd_dkdv_kernel`.
+with sds the dQ kernel's scale of the tile (DSS): the values and roundings of `_bwd_dkdv_kernel`. With PAIRS
+(launch.DKDV_HOPPER_PAIRS) the loop takes two query tiles per iteration, and the second, which shares the first's
+128-row dO8 quantization tile (cv), skips dV's rescale by c_dv / cv.
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dkdv_kernel` (tests/test_kernels_gpu.py).
 
 dQ is not added up here (FlashAttention's way) but in the dQ kernel's second pass: the fp32 reduce-adds of dQ
@@ -85,7 +87,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
     AHEAD: sq_t, sdo_t, sds (the tile's q8, dO8 and dS scales) were loaded a tile ahead by the caller; else they
     are loaded here, under the MMAs. RESCALE_DV False: the tile shares its dO8 quantization tile (128 rows) with
-    the one this warpgroup did before it, so dv's rescale would multiply by exactly 1."""
+    the one this warpgroup did before it, so dv's rescale would multiply by c / c."""
     s_layout: gl.constexpr = s_acc.type.layout
     a_layout: gl.constexpr = fp8_a_layout(dk.type.layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
