@@ -247,7 +247,7 @@ def main():
                                                             STAGES=cfg["stages"], FOLD=cfg["fold"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
                                                             REGS=cfg["regs"],
-                                                            PAIRS=cfg["pairs"] and cfg["warpgroups"] == 2), 4, 1)
+                                                            PAIRS=cfg["pairs"]), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             cfg = K._dq_hopper_cfg(args.d)

@@ -359,8 +359,8 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
                 dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, pairs, segments=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
-    registers). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded
-    layout."""
+    registers; `pairs`: query tiles two per iteration, two warpgroups only). segments: a packed batch's
+    kernels.segments.Segments, every tensor but dk, dv in its padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (sq, sq)  # unread without VARLEN
@@ -371,5 +371,5 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs) and warpgroups == 2, num_warps=4,
+        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), num_warps=4,
     )

@@ -302,11 +302,12 @@ def _dkdv_hopper_pairs(*, causal: bool, groups: int, packed: bool) -> bool:
 
 def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
-    DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]."""
+    DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups."""
+    wgs = _warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS)
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
-                pairs=_dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed),
-                **_warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS))
+                pairs=_dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed) and wgs["warpgroups"] == 2,
+                **wgs)
 
 
 def _fwd_hopper_cfg(d: int) -> dict:
