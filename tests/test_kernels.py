@@ -483,9 +483,9 @@ def test_gluon_kernels_by_head_dim(monkeypatch):
 
 def test_dkdv_hopper_pairs_by_case():
     """The Gluon dK/dV kernel takes its query tiles in pairs (launch.DKDV_HOPPER_PAIRS) on dense batches with the
-    full mask or GQA, where that paid on the H200, not for dense causal attention without GQA, where it did not, nor
-    by default on packed batches (not yet run on a GPU since the fix of their odd tile counts); TUNE decides
-    either way."""
+    full mask or GQA, where that paid on the H200, not for dense causal attention without GQA, where it did not;
+    TUNE decides either way on dense batches. Never on packed batches (a sequence's tiles can be odd in number):
+    asking for it there is an error."""
     from hf_deltamatch.kernels import launch
     for causal, groups, packed, want in ((False, 1, False, True), (True, 4, False, True), (True, 1, False, False),
                                          (True, 1, True, False), (True, 4, True, False)):
@@ -493,8 +493,13 @@ def test_dkdv_hopper_pairs_by_case():
     for on in (True, False):
         K.TUNE["dkdv_hopper_pairs"] = on
         try:
-            assert launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=True)["pairs"] == on
+            assert launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)["pairs"] == on
             assert launch._dkdv_hopper_cfg(128, causal=False, groups=4, packed=False)["pairs"] == on
+            if on:
+                with pytest.raises(ValueError, match="packed"):
+                    launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=True)
+            else:
+                assert not launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=True)["pairs"]
         finally:
             K.TUNE.clear()
 

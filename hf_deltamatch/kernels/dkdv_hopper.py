@@ -229,7 +229,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         sdo_n = col_f
         sds_n = col_f
     mbarrier.wait(kv_bar, 0)
-    # PAIRS (two warpgroups; n_q is even): query tiles two per iteration, the second without dv's rescale (it shares
+    # PAIRS (two warpgroups, dense: n_q is even): query tiles two per iteration, the second without dv's rescale (it shares
     # the first's 128-row dO8 quantization tile: _tile's RESCALE_DV)
     if PAIRS:
         for t2 in range(GROUPS * n_q // 2):
@@ -285,10 +285,7 @@ def _bwd_dkdv_hopper_kernel(
     if CAUSAL:
         lo = n0
     if VARLEN:  # causal: the query tiles from the diagonal to the sequence's last (padded rows have P = 0)
-        if PAIRS:  # to its last 128-row tile (an even number; the dQ kernel wrote that tile's dS scale, 1)
-            n_q = (base + (length + BLOCK_N - 1) // BLOCK_N * BLOCK_N - lo) // BLOCK_M
-        else:
-            n_q = (base + (length + BLOCK_M - 1) // BLOCK_M * BLOCK_M - lo) // BLOCK_M
+        n_q = (base + (length + BLOCK_M - 1) // BLOCK_M * BLOCK_M - lo) // BLOCK_M
         out_row = pid_bh * N_OUT + start - base  # + a padded key row: its packed row in dK, dV
     else:
         n_q = (N - lo) // BLOCK_M

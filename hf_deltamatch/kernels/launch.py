@@ -205,11 +205,10 @@ DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 # case: H200, N=8192, dK/dV kernel ms, two same-run readings each (run 1108): full 2.844/2.836 -> 2.661/2.725, GQA
 # 1.441/1.460 -> 1.369/1.367, but dense causal without GQA 1.424/1.410 -> 1.483/1.507, which keeps single tiles.
 # dV then differs from the single-tile loop's by up to 1.4e-3 and is slightly closer to the reference (GPU run
-# dbe6443). Packed batches only through TUNE, pending their GPU test: run 1108 read 1.073 -> 1.041 ms there, but
-# with the kernel then counting a sequence's query tiles to its length rounded up to 64 rows, an odd number whose
-# last tile the pairs dropped (dV 8e-2 off, GPU run dbe6443); the kernel now counts them to 128 rows under pairs
-# (not yet run). The causal diagonal's two tiles peeled off the loop as well (408 instructions per tile) read
-# 1.387 ms once (run 1126) but hung on a packed batch, likely for the same reason; not kept.
+# dbe6443). Never on packed batches: a sequence's query tiles can be odd in number there, and counting them to
+# 128 rows gave a wrong dV (run 1209) and was slower anyway (1.074/1.079 -> 1.096/1.098 ms). The causal diagonal's
+# two tiles peeled off the loop as well (408 instructions per tile) read 1.387 ms once (run 1126) but hung on a
+# packed batch; not kept.
 DKDV_HOPPER_PAIRS = True
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
@@ -296,8 +295,13 @@ def _warpgroups(kernel: str, d: int, table: dict) -> dict:
 
 def _dkdv_hopper_pairs(*, causal: bool, groups: int, packed: bool) -> bool:
     """Whether the Gluon dK/dV kernel takes its query tiles in pairs: TUNE["dkdv_hopper_pairs"], or by default
-    (DKDV_HOPPER_PAIRS) on dense batches with the full mask or GQA."""
-    return bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and not packed and (not causal or groups > 1)))
+    (DKDV_HOPPER_PAIRS) on dense batches with the full mask or GQA. Never on packed batches."""
+    if packed:
+        if TUNE.get("dkdv_hopper_pairs"):
+            raise ValueError("dkdv_hopper_pairs: not on packed batches (a sequence's 64-row query tiles can be odd in "
+                             "number); leave it unset for cu_seqlens inputs")
+        return False
+    return bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and (not causal or groups > 1)))
 
 
 def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
