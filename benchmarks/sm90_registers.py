@@ -247,7 +247,8 @@ def main():
                                                             STAGES=cfg["stages"], FOLD=cfg["fold"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
                                                             REGS=cfg["regs"],
-                                                            PAIRS=cfg["pairs"]), 4, 1)
+                                                            PAIRS=cfg["pairs"], PEEL=cfg["peel"],
+                                                            AHEAD=cfg["ahead"]), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             cfg = K._dq_hopper_cfg(args.d)

@@ -504,6 +504,31 @@ def test_dkdv_hopper_pairs_by_case():
             K.TUNE.clear()
 
 
+def test_dkdv_hopper_peel_and_ahead_by_case():
+    """The dK/dV kernel's diagonal peel applies to dense causal batches without GQA and two warpgroups only (asking
+    for it on a packed batch or with GQA is an error; on the full mask it is moot), and with GQA the scales are
+    always loaded a tile ahead (the loop counts the group's heads that way)."""
+    from hf_deltamatch.kernels import launch
+    for causal, groups, packed in ((True, 1, False), (True, 4, False), (False, 1, False), (True, 1, True)):
+        cfg = launch._dkdv_hopper_cfg(128, causal=causal, groups=groups, packed=packed)
+        assert cfg["peel"] == (launch.DKDV_HOPPER_PEEL and causal and groups == 1 and not packed)
+        assert cfg["ahead"] == (groups > 1 or launch.DKDV_HOPPER_AHEAD)
+    K.TUNE.update(dkdv_hopper_peel=True, dkdv_hopper_ahead=True)
+    try:
+        cfg = launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)
+        assert cfg["peel"] and cfg["ahead"]
+        assert not launch._dkdv_hopper_cfg(128, causal=False, groups=1, packed=False)["peel"]
+        K.TUNE["dkdv_hopper_wgs"] = (3, 160)
+        assert not launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)["peel"]
+        for groups, packed in ((4, False), (1, True)):
+            with pytest.raises(ValueError, match="dkdv_hopper_peel"):
+                launch._dkdv_hopper_cfg(128, causal=True, groups=groups, packed=packed)
+        K.TUNE.update(dkdv_hopper_ahead=False, dkdv_hopper_peel=False)
+        assert launch._dkdv_hopper_cfg(128, causal=True, groups=4, packed=False)["ahead"]
+    finally:
+        K.TUNE.clear()
+
+
 def test_gluon_kernels_only_where_they_apply():
     """The Gluon kernels (dkdv_hopper.py, dq_hopper.py, fwd_hopper.py; TUNE dkdv_hopper, dq_hopper, fwd_hopper)
     run only on an sm_90 GPU with Triton 3.6 and only for their case; anywhere else (the interpreter here, a

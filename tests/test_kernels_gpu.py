@@ -229,7 +229,7 @@ def test_dkdv_hopper_kernel(stages, fold, wgs64):
         K.TUNE.clear()
     for errs in _gluon_vs_triton(dict(dkdv_hopper=True, dq_hopper=False), opts, seed=3):
         # dQ: the same Triton kernel; dV 3e-3: the query tiles in pairs (launch.DKDV_HOPPER_PAIRS) skip a rescale
-        # the Triton kernel makes (test_dkdv_hopper_pairs)
+        # the Triton kernel makes (test_dkdv_hopper_loop_variants)
         assert errs[0] == 0.0 and errs[1] < 1e-3 and errs[2] < 3e-3, errs
 
 
@@ -289,39 +289,53 @@ def test_dq_hopper_kernel(stages, pingpong):
         assert max(errs) < 1e-3, errs
 
 
-def test_dkdv_hopper_pairs():
-    """The Gluon dK/dV kernel with its query tiles in pairs (TUNE dkdv_hopper_pairs: the second tile of each 128-row
-    dO8 quantization tile skips dv's rescale, whose factor c / c' is 1 up to the division's rounding) against the
-    same kernel with single tiles: dQ untouched, and dK, dV as close to the reference backward (fp32 products, from
-    the same saved tensors) as without: dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups,
-    128-key programs). Not packed batches: pairs are refused there (their dV was wrong, run 1209). The differences
-    between the two runs are printed."""
+def test_dkdv_hopper_loop_variants():
+    """The Gluon dK/dV kernel's loop variants against its plain loop (single tiles, the diagonal's mask tested per
+    tile, the scales loaded in the tile) on the same saved tensors: query tiles in pairs (TUNE dkdv_hopper_pairs:
+    the second tile of each 128-row dO8 quantization tile skips dv's rescale, whose factor c / c' is 1 up to the
+    division's rounding), the causal diagonal peeled off the loop (dkdv_hopper_peel) and the scales loaded a tile
+    ahead (dkdv_hopper_ahead). dQ is untouched by all; the peel and the loads ahead change no value (dK, dV
+    bit-identical); pairs change dV by < 3e-3 and leave dK, dV as close to the reference backward (fp32 products)
+    as the plain loop. Dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups, 128-key programs).
+    Not packed batches: pairs and the peel are refused there (pairs' dV was wrong, run 1209). The differences
+    are printed."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
-    cases = [(2, 4, 4, 2048, 128, True, None), (2, 4, 2, 2048, 128, True, None), (1, 4, 4, 1024, 128, False, None),
-             (2, 4, 2, 1280, 64, True, None), (1, 2, 2, 1152, 64, False, None)]
-    for B, Hq, Hkv, N, D, causal, cu in cases:
+    pairs, peel, ahead = dict(dkdv_hopper_pairs=True), dict(dkdv_hopper_peel=True), dict(dkdv_hopper_ahead=True)
+    causal_mha = [pairs, peel, ahead, {**pairs, **peel}, {**pairs, **ahead}, {**pairs, **peel, **ahead}]
+    cases = [((2, 4, 4, 2048, 128, True), causal_mha), ((2, 4, 2, 2048, 128, True), [pairs]),
+             ((1, 4, 4, 1024, 128, False), [pairs, ahead]),
+             ((2, 4, 4, 1280, 64, True), [pairs, peel, {**pairs, **peel}]),
+             ((2, 4, 2, 1280, 64, True), [pairs]), ((1, 2, 2, 1152, 64, False), [pairs])]
+    for (B, Hq, Hkv, N, D, causal), variants in cases:
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=11)
-        cu_t = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
-        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
-        f = R.forward(q, k, v, **kw)  # the saved tensors both backward passes start from
+        f = R.forward(q, k, v, **kw)  # the saved tensors every backward pass starts from
         ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
-        grads = {}
-        for on in (False, True):
-            K.TUNE.update(dkdv_hopper_pairs=on, dkdv_hopper_wgs={64: (2, 240)})
+
+        def run(variant):
+            K.TUNE.update(dkdv_hopper_pairs=False, dkdv_hopper_wgs={64: (2, 240)}, **variant)
             try:
-                grads[on] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+                return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
                 K.TUNE.clear()
-        between = [_rel(a, b) for a, b in zip(grads[True], grads[False])]
-        to_ref = {on: [_rel(a, b) for a, b in zip(grads[on], ref)] for on in (False, True)}
-        print("DKDV PAIRS", (B, Hq, Hkv, N, D, causal, cu), "between", between,
-              "vs reference: plain", to_ref[False], "pairs", to_ref[True])
-        assert between[0] == 0.0 and max(between) < 3e-3, between
-        for e_pairs, e_plain in zip(to_ref[True][1:], to_ref[False][1:]):
-            assert e_pairs < 1.1 * e_plain + 1e-4, (to_ref, between)
+
+        plain = run({})
+        to_ref_plain = [_rel(a, b) for a, b in zip(plain, ref)]
+        for variant in variants:
+            grads = run(variant)
+            between = [_rel(a, b) for a, b in zip(grads, plain)]
+            to_ref = [_rel(a, b) for a, b in zip(grads, ref)]
+            print("DKDV LOOP", (B, Hq, Hkv, N, D, causal), sorted(variant), "between", between,
+                  "vs reference: plain", to_ref_plain, "variant", to_ref)
+            if variant.get("dkdv_hopper_pairs"):
+                assert between[0] == 0.0 and between[1] == 0.0 and between[2] < 3e-3, between
+                for e_var, e_plain in zip(to_ref[1:], to_ref_plain[1:]):
+                    assert e_var < 1.1 * e_plain + 1e-4, (to_ref, to_ref_plain)
+            else:
+                assert between == [0.0, 0.0, 0.0], between
 
 
 @pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240)))],

@@ -141,11 +141,12 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
 def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n, sdo_n,
           sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col, first,
           s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          FOLD: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr):
+          FOLD: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr, AHEAD: gl.constexpr, DIAG: gl.constexpr):
     """The ring's t-th query tile (tile i of the group's head g) through one warpgroup, its stage released after.
-    GROUPS > 1: the tile's scales were loaded a tile ahead (sq_n, sdo_n, sds_n), and the next tile's are loaded
-    here; returns (g, i) of the next tile."""
-    if GROUPS == 1:
+    AHEAD: the tile's scales were loaded a tile ahead (sq_n, sdo_n, sds_n), and the next tile's are loaded here;
+    returns (g, i) of the next tile. DIAG (two warpgroups): 0 the tile lies below the diagonal, 1 it crosses it,
+    2 a runtime test (i < 2)."""
+    if not AHEAD:
         g = 0
         i = t
         sq_t = col_f  # unread: the tile loads its scales
@@ -163,16 +164,20 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     s = t % STAGES
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
     if WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
+        if DIAG == 2:
+            masked = i < 2
+        else:
+            masked = DIAG == 1
         s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
-            i < 2, CAUSAL, FOLD, GROUPS > 1, RESCALE_DV)
+            masked, CAUSAL, FOLD, AHEAD, RESCALE_DV)
     else:
         if i >= first:  # the diagonal tile is this warpgroup's first
             s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
-                i == first, CAUSAL, FOLD, GROUPS > 1, RESCALE_DV)
+                i == first, CAUSAL, FOLD, AHEAD, RESCALE_DV)
     mbarrier.arrive(empty.index(s))  # this stage's tiles are read
     return s_acc, dp_acc, dk, dv, c_dk, c_dv, g1, i1, sq_n, sdo_n, sds_n
 
@@ -182,7 +187,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                    SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    key_end, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
-                   PAIRS: gl.constexpr):
+                   PAIRS: gl.constexpr, PEEL: gl.constexpr, AHEAD: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     kb = n0 + WG * 64  # this warpgroup's first key
@@ -211,15 +216,16 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         if CAUSAL:
             first = WG
         first = gl.where(kb < key_end, first, n_q)
-    # GQA: the query tiles' scales loaded a tile ahead (ncu run 0733: the warps waited on these L2 loads under the
-    # MMAs) and the tile's head and row counted up (no integer division per tile): 1.528 -> 1.446 ms (run 0744).
-    # Without GQA both made the kernel slower (1.408 -> 1.511 ms at D=128): the loads stay in the tile there.
+    # AHEAD (by default with GQA): the query tiles' scales loaded a tile ahead (ncu run 0733: the warps waited on
+    # these L2 loads under the MMAs) and the tile's head and row counted up (no integer division per tile): GQA
+    # 1.528 -> 1.446 ms (run 0744). Without GQA both made the kernel slower (1.408 -> 1.511 ms at D=128): the loads
+    # stay in the tile there.
     g = 0
     i = 0
-    SQ_G = SQ  # GROUPS > 1: at the group's first tile
+    SQ_G = SQ  # AHEAD: at the group's first tile
     SDO_G = SDO
     DSS_G = DSS
-    if GROUPS > 1:
+    if AHEAD:
         SQ_G = SQ + bh0 * N + lo
         SDO_G = SDO + bh0 * N + lo
         DSS_G = DSS + (bh0 * dss_tq + lo // BLOCK_M) * dss_tk + dss_col
@@ -229,24 +235,41 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         sdo_n = col_f
         sds_n = col_f
     mbarrier.wait(kv_bar, 0)
-    # PAIRS (two warpgroups, dense: n_q is even): query tiles two per iteration, the second without dv's rescale (it shares
-    # the first's 128-row dO8 quantization tile: _tile's RESCALE_DV)
+    # PEEL (two warpgroups, dense, causal, one head): the two query tiles across the diagonal (i < 2) before the
+    # loop, so that the loop's tiles carry no mask test. PAIRS (two warpgroups, dense: n_q is even): query tiles two
+    # per iteration, the second without dv's rescale (it shares the first's 128-row dO8 quantization tile: _tile's
+    # RESCALE_DV)
+    DIAG: gl.constexpr = 0 if PEEL else 2
+    t0 = 0
+    if PEEL:
+        s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+            k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 0, g, i, sq_n, sdo_n,
+            sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
+            first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True, AHEAD, 1)
+        s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+            k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 1, g, i, sq_n, sdo_n,
+            sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
+            first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, not PAIRS, AHEAD, 1)
+        t0 = 2
     if PAIRS:
-        for t2 in range(GROUPS * n_q // 2):
+        for t2 in range(t0 // 2, GROUPS * n_q // 2):
             s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2, g, i,
                 sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
-                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True)
+                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True,
+                AHEAD, DIAG)
             s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + 1, g,
                 i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
-                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, False)
+                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, False,
+                AHEAD, DIAG)
     else:
-        for t in range(GROUPS * n_q):
+        for t in range(t0, GROUPS * n_q):
             s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
-                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True)
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True, AHEAD,
+                DIAG)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
@@ -266,7 +289,8 @@ def _bwd_dkdv_hopper_kernel(
     k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
-    VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr, PAIRS: gl.constexpr,
+    VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr, PAIRS: gl.constexpr, PEEL: gl.constexpr,
+    AHEAD: gl.constexpr,
 ):
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
     # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
@@ -314,11 +338,11 @@ def _bwd_dkdv_hopper_kernel(
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS)),
+                              WGS, PAIRS, PEEL, AHEAD)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS)),
+                              WGS, PAIRS, PEEL, AHEAD)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -337,15 +361,15 @@ def _bwd_dkdv_hopper_kernel(
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS)),
+                              WGS, PAIRS, PEEL, AHEAD)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f1, dp_f1, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS)),
+                              WGS, PAIRS, PEEL, AHEAD)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f2, dp_f2, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 2, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS)),
+                              WGS, PAIRS, PEEL, AHEAD)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -353,11 +377,14 @@ def _bwd_dkdv_hopper_kernel(
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
-                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, pairs, segments=None):
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, pairs, peel, ahead,
+                segments=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
-    registers; `pairs`: query tiles two per iteration, two warpgroups only). segments: a packed batch's
-    kernels.segments.Segments, every tensor but dk, dv in its padded layout."""
+    registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's two tiles
+    before the loop, two warpgroups, dense, one head per group only; `ahead`: each tile's scales loaded a tile
+    ahead, required with GQA). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its
+    padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (sq, sq)  # unread without VARLEN
@@ -368,5 +395,5 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), num_warps=4,
+        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead), num_warps=4,
     )

@@ -28,8 +28,9 @@ from ._fp8 import INTERPRET
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dkdv_hopper_pairs", "dq_hopper", "dq_hopper_stages", "fwd_hopper",
-              "fwd_hopper_stages", "fwd_hopper_wgs", "dkdv_hopper_wgs", "hopper_packed", "dq_hopper_pingpong"}
+              "dkdv_hopper_fold", "dkdv_hopper_pairs", "dkdv_hopper_peel", "dkdv_hopper_ahead", "dq_hopper",
+              "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs", "dkdv_hopper_wgs",
+              "hopper_packed", "dq_hopper_pingpong"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -210,6 +211,10 @@ DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 # two tiles peeled off the loop as well (408 instructions per tile) read 1.387 ms once (run 1126) but hung on a
 # packed batch; not kept.
 DKDV_HOPPER_PAIRS = True
+# Dense causal without GQA: the diagonal's two query tiles before the loop (DKDV_HOPPER_PEEL), and the tiles'
+# scales loaded a tile ahead as with GQA (DKDV_HOPPER_AHEAD; 1.408 -> 1.511 ms with single tiles, run 0744).
+DKDV_HOPPER_PEEL = False
+DKDV_HOPPER_AHEAD = False
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
 # The two MMA warpgroups take turns to issue their MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
@@ -304,14 +309,27 @@ def _dkdv_hopper_pairs(*, causal: bool, groups: int, packed: bool) -> bool:
     return bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and (not causal or groups > 1)))
 
 
+def _dkdv_hopper_peel(*, causal: bool, groups: int, packed: bool, two_wgs: bool) -> bool:
+    """Whether the Gluon dK/dV kernel takes the causal diagonal's two query tiles before its loop:
+    TUNE["dkdv_hopper_peel"] or DKDV_HOPPER_PEEL, on dense causal batches without GQA and two warpgroups only (a
+    packed sequence can have one query tile past a key block; with GQA each head has its diagonal)."""
+    want = bool(TUNE.get("dkdv_hopper_peel", DKDV_HOPPER_PEEL))
+    if want and "dkdv_hopper_peel" in TUNE and (packed or groups > 1):
+        raise ValueError("dkdv_hopper_peel: dense batches without GQA only; leave it unset for cu_seqlens or GQA")
+    return want and causal and groups == 1 and not packed and two_wgs
+
+
 def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
-    DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups."""
+    DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs and the peel only with two warpgroups; the scales a
+    tile ahead always with GQA (the loop counts the group's heads that way)."""
     wgs = _warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS)
+    two = wgs["warpgroups"] == 2
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
-                pairs=_dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed) and wgs["warpgroups"] == 2,
-                **wgs)
+                pairs=_dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed) and two,
+                peel=_dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, two_wgs=two),
+                ahead=groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD)), **wgs)
 
 
 def _fwd_hopper_cfg(d: int) -> dict:
