@@ -185,7 +185,7 @@ def main():
     if args.profile_once:
         return profile_once(args.profile_once)
     rows, lines = [], _Lines()
-    for name in args.shapes.split(","):
+    for name in filter(None, args.shapes.split(",")):  # --shapes "": the variants only
         B, Hq, Hkv, N, D, causal = SHAPES[name]
         base_name = "sdpa-cudnn"
         cu = _cu(name, N)

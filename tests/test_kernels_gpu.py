@@ -316,7 +316,7 @@ def test_dkdv_hopper_loop_variants():
         ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
 
         def run(variant):
-            K.TUNE.update(dkdv_hopper_pairs=False, dkdv_hopper_wgs={64: (2, 240)}, **variant)
+            K.TUNE.update({"dkdv_hopper_pairs": False, "dkdv_hopper_wgs": {64: (2, 240)}, **variant})
             try:
                 return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
