@@ -482,14 +482,20 @@ def test_gluon_kernels_by_head_dim(monkeypatch):
 
 
 def test_dkdv_hopper_pairs_by_case():
-    """The Gluon dK/dV kernel takes its query tiles in pairs (launch.DKDV_HOPPER_PAIRS) on dense batches with the
-    full mask or GQA, where that paid on the H200, not for dense causal attention without GQA, where it did not;
-    TUNE decides either way on dense batches. Never on packed batches (a sequence's tiles can be odd in number):
-    asking for it there is an error."""
+    """The Gluon dK/dV kernel takes its query tiles in pairs (launch.DKDV_HOPPER_PAIRS) on dense batches, where
+    that paid on the H200: with the full mask, GQA, and dense causal attention without GQA together with the
+    diagonal's peel (alone, pairs were slower there); TUNE decides either way on dense batches. Never on packed
+    batches (a sequence's tiles can be odd in number): asking for it there is an error."""
     from hf_deltamatch.kernels import launch
-    for causal, groups, packed, want in ((False, 1, False, True), (True, 4, False, True), (True, 1, False, False),
+    for causal, groups, packed, want in ((False, 1, False, True), (True, 4, False, True), (True, 1, False, True),
                                          (True, 1, True, False), (True, 4, True, False)):
-        assert launch._dkdv_hopper_cfg(128, causal=causal, groups=groups, packed=packed)["pairs"] == want
+        cfg = launch._dkdv_hopper_cfg(128, causal=causal, groups=groups, packed=packed)
+        assert cfg["pairs"] == want and cfg["peel"] == (causal and groups == 1 and not packed)
+    K.TUNE["dkdv_hopper_peel"] = False
+    try:
+        assert not launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)["pairs"]
+    finally:
+        K.TUNE.clear()
     for on in (True, False):
         K.TUNE["dkdv_hopper_pairs"] = on
         try:

@@ -204,17 +204,17 @@ DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 # With two warpgroups (D=128), the query tiles in pairs that share their 128-row dO8 quantization tile: the second
 # skips dv's rescale (c / c' = 1 up to the division's rounding; 538 -> 501 SASS instructions per tile, causal), by
 # case: H200, N=8192, dK/dV kernel ms, two same-run readings each (run 1108): full 2.844/2.836 -> 2.661/2.725, GQA
-# 1.441/1.460 -> 1.369/1.367, but dense causal without GQA 1.424/1.410 -> 1.483/1.507, which keeps single tiles.
-# dV then differs from the single-tile loop's by up to 1.4e-3 and is slightly closer to the reference (GPU run
-# dbe6443). Never on packed batches: a sequence's query tiles can be odd in number there, and counting them to
-# 128 rows gave a wrong dV (run 1209) and was slower anyway (1.074/1.079 -> 1.096/1.098 ms). The causal diagonal's
-# two tiles peeled off the loop as well (408 instructions per tile) read 1.387 ms once (run 1126) but hung on a
-# packed batch; not kept.
+# 1.441/1.460 -> 1.369/1.367. dV then differs from the single-tile loop's by up to 1.4e-3 and is slightly closer to
+# the reference (GPU runs dbe6443, 4fdc48a). Dense causal without GQA gained only together with the causal
+# diagonal's two tiles taken before the loop (DKDV_HOPPER_PEEL: no mask test in the loop, 408 instructions per
+# tile), run 1217: 1.401/1.408 -> 1.375/1.374 ms; pairs alone 1.424/1.410 -> 1.483/1.507 (run 1108), the peel
+# alone 1.473/1.480, pairs with the scales a tile ahead as with GQA (DKDV_HOPPER_AHEAD) 1.421, all three
+# 1.470/1.450 (run 1217): not understood, instruction counts do not order them. Never on packed batches: a
+# sequence's query tiles can be odd in number there, and counting them to 128 rows gave a wrong dV (run 1209) and
+# was slower anyway (1.074/1.079 -> 1.096/1.098 ms); the peel hung there (run 1126).
 DKDV_HOPPER_PAIRS = True
-# Dense causal without GQA: the diagonal's two query tiles before the loop (DKDV_HOPPER_PEEL), and the tiles'
-# scales loaded a tile ahead as with GQA (DKDV_HOPPER_AHEAD; 1.408 -> 1.511 ms with single tiles, run 0744).
-DKDV_HOPPER_PEEL = False
-DKDV_HOPPER_AHEAD = False
+DKDV_HOPPER_PEEL = True
+DKDV_HOPPER_AHEAD = False  # always with GQA; without, 1.408 -> 1.511 ms with single tiles (run 0744)
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
 # The two MMA warpgroups take turns to issue their MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
@@ -300,13 +300,15 @@ def _warpgroups(kernel: str, d: int, table: dict) -> dict:
 
 def _dkdv_hopper_pairs(*, causal: bool, groups: int, packed: bool) -> bool:
     """Whether the Gluon dK/dV kernel takes its query tiles in pairs: TUNE["dkdv_hopper_pairs"], or by default
-    (DKDV_HOPPER_PAIRS) on dense batches with the full mask or GQA. Never on packed batches."""
+    (DKDV_HOPPER_PAIRS) on dense batches with the full mask, GQA, or the diagonal peeled (_dkdv_hopper_peel).
+    Never on packed batches."""
     if packed:
         if TUNE.get("dkdv_hopper_pairs"):
             raise ValueError("dkdv_hopper_pairs: not on packed batches (a sequence's 64-row query tiles can be odd in "
                              "number); leave it unset for cu_seqlens inputs")
         return False
-    return bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and (not causal or groups > 1)))
+    peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, two_wgs=True)
+    return bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and (not causal or groups > 1 or peel)))
 
 
 def _dkdv_hopper_peel(*, causal: bool, groups: int, packed: bool, two_wgs: bool) -> bool:
