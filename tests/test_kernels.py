@@ -511,21 +511,24 @@ def test_dkdv_hopper_pairs_by_case():
 
 
 def test_dkdv_hopper_peel_and_ahead_by_case():
-    """The dK/dV kernel's diagonal peel applies to dense causal batches without GQA and two warpgroups only (asking
-    for it on a packed batch or with GQA is an error; on the full mask it is moot), and with GQA the scales are
-    always loaded a tile ahead (the loop counts the group's heads that way)."""
+    """The dK/dV kernel's diagonal peel applies to dense causal batches without GQA only, by default by its number
+    of MMA warpgroups (DKDV_HOPPER_PEEL; asking for it on a packed batch or with GQA is an error, on the full mask
+    it is moot), and with GQA the scales are always loaded a tile ahead (the loop counts the group's heads that
+    way)."""
     from hf_deltamatch.kernels import launch
-    for causal, groups, packed in ((True, 1, False), (True, 4, False), (False, 1, False), (True, 1, True)):
-        cfg = launch._dkdv_hopper_cfg(128, causal=causal, groups=groups, packed=packed)
-        assert cfg["peel"] == (launch.DKDV_HOPPER_PEEL and causal and groups == 1 and not packed)
-        assert cfg["ahead"] == (groups > 1 or launch.DKDV_HOPPER_AHEAD)
+    for d in (64, 128):
+        wgs = launch.DKDV_HOPPER_WARPGROUPS[d][0]
+        for causal, groups, packed in ((True, 1, False), (True, 4, False), (False, 1, False), (True, 1, True)):
+            cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=groups, packed=packed)
+            assert cfg["peel"] == (launch.DKDV_HOPPER_PEEL[wgs] and causal and groups == 1 and not packed)
+            assert cfg["ahead"] == (groups > 1 or launch.DKDV_HOPPER_AHEAD)
     K.TUNE.update(dkdv_hopper_peel=True, dkdv_hopper_ahead=True)
     try:
-        cfg = launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)
-        assert cfg["peel"] and cfg["ahead"]
-        assert not launch._dkdv_hopper_cfg(128, causal=False, groups=1, packed=False)["peel"]
-        K.TUNE["dkdv_hopper_wgs"] = (3, 160)
-        assert not launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)["peel"]
+        for wgs in ((2, 240), (3, 160)):
+            K.TUNE["dkdv_hopper_wgs"] = wgs
+            cfg = launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)
+            assert cfg["peel"] and cfg["ahead"] and cfg["pairs"] == (wgs[0] == 2)
+            assert not launch._dkdv_hopper_cfg(128, causal=False, groups=1, packed=False)["peel"]
         for groups, packed in ((4, False), (1, True)):
             with pytest.raises(ValueError, match="dkdv_hopper_peel"):
                 launch._dkdv_hopper_cfg(128, causal=True, groups=groups, packed=packed)

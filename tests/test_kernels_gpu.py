@@ -296,7 +296,8 @@ def test_dkdv_hopper_loop_variants():
     division's rounding), the causal diagonal peeled off the loop (dkdv_hopper_peel) and the scales loaded a tile
     ahead (dkdv_hopper_ahead). dQ is untouched by all; the peel and the loads ahead change no value (dK, dV
     bit-identical); pairs change dV by < 3e-3 and leave dK, dV as close to the reference backward (fp32 products)
-    as the plain loop. Dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups, 128-key programs).
+    as the plain loop. Dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups, 128-key programs; the
+    peel and the loads ahead with three too).
     Not packed batches: pairs and the peel are refused there (pairs' dV was wrong, run 1209). The differences
     are printed."""
     import triton
@@ -304,11 +305,15 @@ def test_dkdv_hopper_loop_variants():
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
     pairs, peel, ahead = dict(dkdv_hopper_pairs=True), dict(dkdv_hopper_peel=True), dict(dkdv_hopper_ahead=True)
     causal_mha = [pairs, peel, ahead, {**pairs, **peel}, {**pairs, **ahead}, {**pairs, **peel, **ahead}]
-    cases = [((2, 4, 4, 2048, 128, True), causal_mha), ((2, 4, 2, 2048, 128, True), [pairs]),
-             ((1, 4, 4, 1024, 128, False), [pairs, ahead]),
-             ((2, 4, 4, 1280, 64, True), [pairs, peel, {**pairs, **peel}]),
-             ((2, 4, 2, 1280, 64, True), [pairs]), ((1, 2, 2, 1152, 64, False), [pairs])]
-    for (B, Hq, Hkv, N, D, causal), variants in cases:
+    two, three = {64: (2, 240)}, {64: (3, 160)}  # D=64's MMA warpgroups (the last 192-key block of 1280 keys has
+    # a warpgroup past the keys)
+    cases = [((2, 4, 4, 2048, 128, True), two, causal_mha), ((2, 4, 2, 2048, 128, True), two, [pairs]),
+             ((1, 4, 4, 1024, 128, False), two, [pairs, ahead]),
+             ((2, 4, 4, 1280, 64, True), two, [pairs, peel, {**pairs, **peel}]),
+             ((2, 4, 4, 1280, 64, True), three, [peel, ahead, {**peel, **ahead}]),
+             ((1, 2, 2, 1152, 64, True), three, [peel]),
+             ((2, 4, 2, 1280, 64, True), two, [pairs]), ((1, 2, 2, 1152, 64, False), two, [pairs])]
+    for (B, Hq, Hkv, N, D, causal), wgs, variants in cases:
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=11)
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
@@ -316,7 +321,7 @@ def test_dkdv_hopper_loop_variants():
         ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
 
         def run(variant):
-            K.TUNE.update({"dkdv_hopper_pairs": False, "dkdv_hopper_wgs": {64: (2, 240)}, **variant})
+            K.TUNE.update({"dkdv_hopper_pairs": False, "dkdv_hopper_peel": False, "dkdv_hopper_wgs": wgs, **variant})
             try:
                 return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
@@ -328,7 +333,7 @@ def test_dkdv_hopper_loop_variants():
             grads = run(variant)
             between = [_rel(a, b) for a, b in zip(grads, plain)]
             to_ref = [_rel(a, b) for a, b in zip(grads, ref)]
-            print("DKDV LOOP", (B, Hq, Hkv, N, D, causal), sorted(variant), "between", between,
+            print("DKDV LOOP", (B, Hq, Hkv, N, D, causal), wgs, sorted(variant), "between", between,
                   "vs reference: plain", to_ref_plain, "variant", to_ref)
             if variant.get("dkdv_hopper_pairs"):
                 assert between[0] == 0.0 and between[1] == 0.0 and between[2] < 3e-3, between

@@ -36,8 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ._gluon import (
-    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _ring_barriers, _row_desc,
-    _segment, fp8_a_layout, fp8_operand, mma_layout, tma_load,
+    BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _release, _ring_barriers,
+    _row_desc, _segment, fp8_a_layout, fp8_operand, mma_layout, tma_load,
 )
 
 
@@ -144,8 +144,8 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
           FOLD: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr, AHEAD: gl.constexpr, DIAG: gl.constexpr):
     """The ring's t-th query tile (tile i of the group's head g) through one warpgroup, its stage released after.
     AHEAD: the tile's scales were loaded a tile ahead (sq_n, sdo_n, sds_n), and the next tile's are loaded here;
-    returns (g, i) of the next tile. DIAG (two warpgroups): 0 the tile lies below the diagonal, 1 it crosses it,
-    2 a runtime test (i < 2)."""
+    returns (g, i) of the next tile. DIAG: 0 the tile lies below the diagonal, 1 it crosses it, 2 a runtime test
+    (two warpgroups: i < 2; three: i == first, and the tiles before `first` skipped)."""
     if not AHEAD:
         g = 0
         i = t
@@ -172,12 +172,17 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
             masked, CAUSAL, FOLD, AHEAD, RESCALE_DV)
-    else:
+    elif DIAG == 2:
         if i >= first:  # the diagonal tile is this warpgroup's first
             s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
                 i == first, CAUSAL, FOLD, AHEAD, RESCALE_DV)
+    else:  # three warpgroups, peeled: the caller skipped the tiles before `first`
+        s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+            k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
+            dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+            DIAG == 1, CAUSAL, FOLD, AHEAD, RESCALE_DV)
     mbarrier.arrive(empty.index(s))  # this stage's tiles are read
     return s_acc, dp_acc, dk, dv, c_dk, c_dv, g1, i1, sq_n, sdo_n, sds_n
 
@@ -235,13 +240,14 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         sdo_n = col_f
         sds_n = col_f
     mbarrier.wait(kv_bar, 0)
-    # PEEL (two warpgroups, dense, causal, one head): the two query tiles across the diagonal (i < 2) before the
-    # loop, so that the loop's tiles carry no mask test. PAIRS (two warpgroups, dense: n_q is even): query tiles two
-    # per iteration, the second without dv's rescale (it shares the first's 128-row dO8 quantization tile: _tile's
-    # RESCALE_DV)
+    # PEEL (dense, causal, one head): the query tiles across the diagonal before the loop, so that the loop's tiles
+    # carry no mask test: two warpgroups, the first two tiles (i < 2); three, this warpgroup's tile `first` (the
+    # ones before it released unread, and none past the keys). PAIRS (two warpgroups, dense: n_q is even): query
+    # tiles two per iteration, the second without dv's rescale (it shares the first's 128-row dO8 quantization
+    # tile: _tile's RESCALE_DV)
     DIAG: gl.constexpr = 0 if PEEL else 2
     t0 = 0
-    if PEEL:
+    if PEEL and WGS == 2:
         s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 0, g, i, sq_n, sdo_n,
             sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
@@ -251,6 +257,19 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
             first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, not PAIRS, AHEAD, 1)
         t0 = 2
+    elif PEEL:  # first <= n_q (first == n_q: a warpgroup past the keys)
+        _release(ready, empty, 0, first, STAGES)
+        t0 = first
+        if AHEAD:  # the counters and scales start at tile `first` (the last tile's if none is left: unread)
+            i = gl.minimum(first, n_q - 1)
+            sq_n, sdo_n, sds_n = _tile_scales(SQ_G, SDO_G, DSS_G, g, i, N, dss_tq, dss_tk)
+        if first < n_q:
+            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, first, g, i,
+                sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
+                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True,
+                AHEAD, 1)
+            t0 = first + 1
     if PAIRS:
         for t2 in range(t0 // 2, GROUPS * n_q // 2):
             s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
@@ -381,8 +400,8 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
                 segments=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
-    registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's two tiles
-    before the loop, two warpgroups, dense, one head per group only; `ahead`: each tile's scales loaded a tile
+    registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's tiles
+    before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile
     ahead, required with GQA). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its
     padded layout."""
     B, Hq, N, D = q8.shape

@@ -213,7 +213,7 @@ DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 # sequence's query tiles can be odd in number there, and counting them to 128 rows gave a wrong dV (run 1209) and
 # was slower anyway (1.074/1.079 -> 1.096/1.098 ms); the peel hung there (run 1126).
 DKDV_HOPPER_PAIRS = True
-DKDV_HOPPER_PEEL = True
+DKDV_HOPPER_PEEL = {2: True, 3: False}  # by MMA warpgroups; with three (D=64) each one's diagonal tile first
 DKDV_HOPPER_AHEAD = False  # always with GQA; without, 1.408 -> 1.511 ms with single tiles (run 0744)
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
@@ -307,30 +307,30 @@ def _dkdv_hopper_pairs(*, causal: bool, groups: int, packed: bool) -> bool:
             raise ValueError("dkdv_hopper_pairs: not on packed batches (a sequence's 64-row query tiles can be odd in "
                              "number); leave it unset for cu_seqlens inputs")
         return False
-    peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, two_wgs=True)
+    peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=2)
     return bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and (not causal or groups > 1 or peel)))
 
 
-def _dkdv_hopper_peel(*, causal: bool, groups: int, packed: bool, two_wgs: bool) -> bool:
-    """Whether the Gluon dK/dV kernel takes the causal diagonal's two query tiles before its loop:
-    TUNE["dkdv_hopper_peel"] or DKDV_HOPPER_PEEL, on dense causal batches without GQA and two warpgroups only (a
-    packed sequence can have one query tile past a key block; with GQA each head has its diagonal)."""
-    want = bool(TUNE.get("dkdv_hopper_peel", DKDV_HOPPER_PEEL))
+def _dkdv_hopper_peel(*, causal: bool, groups: int, packed: bool, warpgroups: int) -> bool:
+    """Whether the Gluon dK/dV kernel takes the causal diagonal's query tiles before its loop:
+    TUNE["dkdv_hopper_peel"] or DKDV_HOPPER_PEEL[warpgroups], on dense causal batches without GQA only (a packed
+    sequence can have one query tile past a key block; with GQA each head has its diagonal)."""
+    want = bool(TUNE.get("dkdv_hopper_peel", DKDV_HOPPER_PEEL[warpgroups]))
     if want and "dkdv_hopper_peel" in TUNE and (packed or groups > 1):
         raise ValueError("dkdv_hopper_peel: dense batches without GQA only; leave it unset for cu_seqlens or GQA")
-    return want and causal and groups == 1 and not packed and two_wgs
+    return want and causal and groups == 1 and not packed
 
 
 def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
-    DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs and the peel only with two warpgroups; the scales a
+    DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a
     tile ahead always with GQA (the loop counts the group's heads that way)."""
     wgs = _warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS)
     two = wgs["warpgroups"] == 2
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
                 pairs=_dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed) and two,
-                peel=_dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, two_wgs=two),
+                peel=_dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=wgs["warpgroups"]),
                 ahead=groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD)), **wgs)
 
 
