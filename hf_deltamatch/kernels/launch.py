@@ -213,8 +213,12 @@ DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 # sequence's query tiles can be odd in number there, and counting them to 128 rows gave a wrong dV (run 1209) and
 # was slower anyway (1.074/1.079 -> 1.096/1.098 ms); the peel hung there (run 1126).
 DKDV_HOPPER_PAIRS = True
-DKDV_HOPPER_PEEL = {2: True, 3: False}  # by MMA warpgroups; with three (D=64) each one's diagonal tile first
-DKDV_HOPPER_AHEAD = False  # always with GQA; without, 1.408 -> 1.511 ms with single tiles (run 0744)
+# With three warpgroups (D=64, dense causal without GQA) each one's diagonal tile before the loop, with the tiles'
+# scales loaded a tile ahead (DKDV_HOPPER_AHEAD): run 1224, 1.771/1.756 -> 1.687/1.688 ms; the peel alone
+# 1.807/1.794. The scales a tile ahead always with GQA; without GQA and the peel, 1.408 -> 1.511 ms at D=128 with
+# single tiles (run 0744).
+DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
+DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, where the diagonal is peeled
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
 # The two MMA warpgroups take turns to issue their MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
@@ -324,14 +328,17 @@ def _dkdv_hopper_peel(*, causal: bool, groups: int, packed: bool, warpgroups: in
 def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
     DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a
-    tile ahead always with GQA (the loop counts the group's heads that way)."""
+    tile ahead always with GQA (the loop counts the group's heads that way), by default else only where the
+    diagonal is peeled (DKDV_HOPPER_AHEAD)."""
     wgs = _warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS)
-    two = wgs["warpgroups"] == 2
+    n = wgs["warpgroups"]
+    two = n == 2
+    peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n)
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
                 pairs=_dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed) and two,
-                peel=_dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=wgs["warpgroups"]),
-                ahead=groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD)), **wgs)
+                peel=peel, ahead=groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", peel and DKDV_HOPPER_AHEAD[n])),
+                **wgs)
 
 
 def _fwd_hopper_cfg(d: int) -> dict:
