@@ -33,6 +33,7 @@ SHAPES = {
     "d128-causal": (2, 16, 16, 8192, 128, True),
     "d128-full": (2, 16, 16, 8192, 128, False),
     "d64-causal": (2, 32, 32, 8192, 64, True),
+    "d64-full": (2, 32, 32, 8192, 64, False),
     "gqa-causal": (2, 16, 4, 8192, 128, True),
     "d256-causal": (2, 8, 8, 8192, 256, True),
     # packed batches (varlen, B = 1, causal within each document): 32768 tokens, as four 8K training rows that

@@ -343,8 +343,9 @@ def test_dkdv_hopper_loop_variants():
                 assert between == [0.0, 0.0, 0.0], between
 
 
-@pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240)))],
-                         ids=["d128", "d64", "d64-wg-swap"])
+@pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240))),
+                                    (128, dict(dkdv_hopper_ahead=True)), (64, dict(dkdv_hopper_ahead=True))],
+                         ids=["d128", "d64", "d64-wg-swap", "d128-ahead", "d64-ahead"])
 @pytest.mark.parametrize("cu", [[0, 1000, 1001, 3000, 4096], [0, 64, 64, 192, 1301, 2720]])
 def test_hopper_packed(cu, D, tune):
     """The Gluon kernels on packed batches (kernels/segments.py: each sequence padded to a multiple of 128 rows,
@@ -352,8 +353,8 @@ def test_hopper_packed(cu, D, tune):
     for bit, as on dense batches; the backward within the dense Gluon tests' 1e-3), and against the reference.
     Sequences of 1, 64 and 128 tokens, an empty one, and (second case) tokens after the last sequence, whose
     outputs stay 0 (LSE -inf); GQA and MHA; D=128 and D=64 (where packed batches take the Gluon forward and dQ
-    kernels that dense ones do not), with the other choice of two or three warpgroups for the forward and dK/dV
-    (`tune`)."""
+    kernels that dense ones do not), with the other choice of two or three warpgroups for the forward and dK/dV,
+    and with dK/dV's scales loaded a tile ahead (`tune`)."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernels are written against Triton 3.6's Gluon API")
