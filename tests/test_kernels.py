@@ -514,14 +514,14 @@ def test_dkdv_hopper_peel_and_ahead_by_case():
     """The dK/dV kernel's diagonal peel applies to dense causal batches without GQA only, by default by its number
     of MMA warpgroups (DKDV_HOPPER_PEEL; asking for it on a packed batch or with GQA is an error, on the full mask
     it is moot), and with GQA the scales are always loaded a tile ahead (the loop counts the group's heads that
-    way), else by default where the diagonal is peeled (DKDV_HOPPER_AHEAD, by warpgroups)."""
+    way), else by default on dense batches by warpgroups (DKDV_HOPPER_AHEAD)."""
     from hf_deltamatch.kernels import launch
     for d in (64, 128):
         wgs = launch.DKDV_HOPPER_WARPGROUPS[d][0]
         for causal, groups, packed in ((True, 1, False), (True, 4, False), (False, 1, False), (True, 1, True)):
             cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=groups, packed=packed)
             assert cfg["peel"] == (launch.DKDV_HOPPER_PEEL[wgs] and causal and groups == 1 and not packed)
-            assert cfg["ahead"] == (groups > 1 or (cfg["peel"] and launch.DKDV_HOPPER_AHEAD[wgs]))
+            assert cfg["ahead"] == (groups > 1 or (launch.DKDV_HOPPER_AHEAD[wgs] and not packed))
     K.TUNE.update(dkdv_hopper_peel=True, dkdv_hopper_ahead=True)
     try:
         for wgs in ((2, 240), (3, 160)):

@@ -311,7 +311,7 @@ def test_dkdv_hopper_loop_variants():
              ((1, 4, 4, 1024, 128, False), two, [pairs, ahead]),
              ((2, 4, 4, 1280, 64, True), two, [pairs, peel, {**pairs, **peel}]),
              ((2, 4, 4, 1280, 64, True), three, [peel, ahead, {**peel, **ahead}]),
-             ((1, 2, 2, 1152, 64, True), three, [peel]),
+             ((1, 2, 2, 1152, 64, True), three, [peel]), ((2, 4, 4, 1280, 64, False), three, [ahead]),
              ((2, 4, 2, 1280, 64, True), two, [pairs]), ((1, 2, 2, 1152, 64, False), two, [pairs])]
     for (B, Hq, Hkv, N, D, causal), wgs, variants in cases:
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=11)

@@ -213,12 +213,14 @@ DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
 # sequence's query tiles can be odd in number there, and counting them to 128 rows gave a wrong dV (run 1209) and
 # was slower anyway (1.074/1.079 -> 1.096/1.098 ms); the peel hung there (run 1126).
 DKDV_HOPPER_PAIRS = True
-# With three warpgroups (D=64, dense causal without GQA) each one's diagonal tile before the loop, with the tiles'
-# scales loaded a tile ahead (DKDV_HOPPER_AHEAD): run 1224, 1.771/1.756 -> 1.687/1.688 ms; the peel alone
-# 1.807/1.794. The scales a tile ahead always with GQA; without GQA and the peel, 1.408 -> 1.511 ms at D=128 with
-# single tiles (run 0744).
+# With three warpgroups (D=64) on dense batches, the tiles' scales loaded a tile ahead (DKDV_HOPPER_AHEAD), and
+# under causal masks without GQA each warpgroup's diagonal tile before the loop: causal run 1224, 1.771/1.756 ->
+# 1.687/1.688 ms (the peel alone 1.807/1.794); full mask run 1241, 3.728/3.754 -> 3.070/3.113 (ahead). Not on
+# packed batches: D=64 1.265/1.269 -> 1.269/1.269, D=128 1.070/1.072 -> 1.095/1.097 (run 1241). The scales a tile
+# ahead always with GQA; at D=128 without GQA slower: 1.408 -> 1.511 ms with single tiles (run 0744), 1.375 ->
+# 1.421-1.470 with pairs (run 1217).
 DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
-DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, where the diagonal is peeled
+DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
 # The two MMA warpgroups take turns to issue their MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
@@ -328,8 +330,8 @@ def _dkdv_hopper_peel(*, causal: bool, groups: int, packed: bool, warpgroups: in
 def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
     DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a
-    tile ahead always with GQA (the loop counts the group's heads that way), by default else only where the
-    diagonal is peeled (DKDV_HOPPER_AHEAD)."""
+    tile ahead always with GQA (the loop counts the group's heads that way), by default else by warpgroups on
+    dense batches (DKDV_HOPPER_AHEAD)."""
     wgs = _warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS)
     n = wgs["warpgroups"]
     two = n == 2
@@ -337,7 +339,7 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
                 pairs=_dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed) and two,
-                peel=peel, ahead=groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", peel and DKDV_HOPPER_AHEAD[n])),
+                peel=peel, ahead=groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD[n] and not packed)),
                 **wgs)
 
 
