@@ -24,7 +24,9 @@ Per query tile of 64 rows (stage s), in one warpgroup (keys kb .. kb+63):
     dS^T = P^T (dP^T * sv sdo - delta),  dK = dK * (c_dk / ck) + (dS^T / sds)8 q8   (ck = sds * sq)
 with sds the dQ kernel's scale of the tile (DSS): the values and roundings of `_bwd_dkdv_kernel`. With PAIRS
 (launch.DKDV_HOPPER_PAIRS) the loop takes two query tiles per iteration, and the second, which shares the first's
-128-row dO8 quantization tile (cv), skips dV's rescale by c_dv / cv.
+128-row dO8 quantization tile (cv), skips dV's rescale by c_dv / cv. With PEEL the query tiles across the causal
+diagonal come before the loop, so the loop's tiles carry no mask test; with AHEAD each tile's scales are loaded a
+tile ahead (always with GQA). Which combination runs where is launch._dkdv_hopper_cfg's choice, by measurement.
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dkdv_kernel` (tests/test_kernels_gpu.py).
 
 dQ is not added up here (FlashAttention's way) but in the dQ kernel's second pass: the fp32 reduce-adds of dQ
