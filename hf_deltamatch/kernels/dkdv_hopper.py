@@ -223,10 +223,9 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         if CAUSAL:
             first = WG
         first = gl.where(kb < key_end, first, n_q)
-    # AHEAD (by default with GQA): the query tiles' scales loaded a tile ahead (ncu run 0733: the warps waited on
-    # these L2 loads under the MMAs) and the tile's head and row counted up (no integer division per tile): GQA
-    # 1.528 -> 1.446 ms (run 0744). Without GQA both made the kernel slower (1.408 -> 1.511 ms at D=128): the loads
-    # stay in the tile there.
+    # AHEAD (always with GQA; where else: launch.DKDV_HOPPER_AHEAD): the query tiles' scales loaded a tile ahead
+    # (ncu run 0733: the warps waited on these L2 loads under the MMAs) and the tile's head and row counted up (no
+    # integer division per tile): GQA 1.528 -> 1.446 ms (run 0744).
     g = 0
     i = 0
     SQ_G = SQ  # AHEAD: at the group's first tile
@@ -403,9 +402,9 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's tiles
-    before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile
-    ahead, required with GQA). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its
-    padded layout."""
+    before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile ahead, required
+    with GQA). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded
+    layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (sq, sq)  # unread without VARLEN

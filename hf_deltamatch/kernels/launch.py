@@ -304,16 +304,15 @@ def _warpgroups(kernel: str, d: int, table: dict) -> dict:
     return dict(warpgroups=int(wgs), regs=int(regs))
 
 
-def _dkdv_hopper_pairs(*, causal: bool, groups: int, packed: bool) -> bool:
-    """Whether the Gluon dK/dV kernel takes its query tiles in pairs: TUNE["dkdv_hopper_pairs"], or by default
-    (DKDV_HOPPER_PAIRS) on dense batches with the full mask, GQA, or the diagonal peeled (_dkdv_hopper_peel).
-    Never on packed batches."""
+def _dkdv_hopper_pairs(*, causal: bool, groups: int, packed: bool, peel: bool) -> bool:
+    """Whether the Gluon dK/dV kernel (two warpgroups) takes its query tiles in pairs: TUNE["dkdv_hopper_pairs"],
+    or by default (DKDV_HOPPER_PAIRS) on dense batches with the full mask, GQA, or the diagonal peeled. Never on
+    packed batches."""
     if packed:
         if TUNE.get("dkdv_hopper_pairs"):
             raise ValueError("dkdv_hopper_pairs: not on packed batches (a sequence's 64-row query tiles can be odd in "
                              "number); leave it unset for cu_seqlens inputs")
         return False
-    peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=2)
     return bool(TUNE.get("dkdv_hopper_pairs", DKDV_HOPPER_PAIRS and (not causal or groups > 1 or peel)))
 
 
@@ -329,17 +328,16 @@ def _dkdv_hopper_peel(*, causal: bool, groups: int, packed: bool, warpgroups: in
 
 def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
-    DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a
-    tile ahead always with GQA (the loop counts the group's heads that way), by default else by warpgroups on
-    dense batches (DKDV_HOPPER_AHEAD)."""
+    DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a tile ahead always
+    with GQA (the loop counts the group's heads that way), else by default on dense batches by warpgroups
+    (DKDV_HOPPER_AHEAD)."""
     wgs = _warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS)
     n = wgs["warpgroups"]
-    two = n == 2
     peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n)
+    pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2
+    ahead = groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD[n] and not packed))
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
-                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)),
-                pairs=_dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed) and two,
-                peel=peel, ahead=groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD[n] and not packed)),
+                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)), pairs=pairs, peel=peel, ahead=ahead,
                 **wgs)
 
 
