@@ -207,7 +207,8 @@ def main():
     p.add_argument("--full", action="store_true", help="the full mask instead of causal")
     p.add_argument("--groups", type=int, default=1, help="query heads per KV head (GQA)")
     p.add_argument("--varlen", action="store_true", help="the Gluon kernels' packed-batch variant (causal)")
-    p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) and PTX to, <kernel>.sass / .ptx")
+    p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) and PTX to, "
+                                  "<kernel>.sass / .ptx")
     p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
     p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
     args = p.parse_args()

@@ -249,14 +249,12 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     DIAG: gl.constexpr = 0 if PEEL else 2
     t0 = 0
     if PEEL and WGS == 2:
-        s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
-            k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 0, g, i, sq_n, sdo_n,
-            sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
-            first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True, AHEAD, 1)
-        s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
-            k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 1, g, i, sq_n, sdo_n,
-            sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col,
-            first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, not PAIRS, AHEAD, 1)
+        for u in gl.static_range(2):  # the second tile skips dv's rescale as in a pair
+            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, u, g, i, sq_n,
+                sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS,
+                u == 0 or not PAIRS, AHEAD, 1)
         t0 = 2
     elif PEEL:  # first <= n_q (first == n_q: a warpgroup past the keys)
         _release(ready, empty, 0, first, STAGES)
@@ -273,16 +271,12 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             t0 = first + 1
     if PAIRS:
         for t2 in range(t0 // 2, GROUPS * n_q // 2):
-            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
-                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2, g, i,
-                sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
-                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True,
-                AHEAD, DIAG)
-            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
-                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + 1, g,
-                i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
-                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, False,
-                AHEAD, DIAG)
+            for u in gl.static_range(2):
+                s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+                    k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + u,
+                    g, i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N,
+                    dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD,
+                    WGS, u == 0, AHEAD, DIAG)
     else:
         for t in range(t0, GROUPS * n_q):
             s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
