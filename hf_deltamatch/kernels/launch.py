@@ -217,8 +217,8 @@ DKDV_HOPPER_PAIRS = True
 # under causal masks without GQA each warpgroup's diagonal tile before the loop: causal run 1224, 1.771/1.756 ->
 # 1.687/1.688 ms (the peel alone 1.807/1.794; 16 B of spills with Triton 3.6, faster nonetheless); full mask run
 # 1241, 3.728/3.754 -> 3.070/3.113 (ahead). Not on packed batches: D=64 1.265/1.269 -> 1.269/1.269, D=128
-# 1.070/1.072 -> 1.095/1.097 (run 1241). The scales a tile ahead always with GQA; at D=128 without GQA slower: 1.408 -> 1.511 ms with single tiles (run 0744), 1.375 ->
-# 1.421-1.470 with pairs (run 1217).
+# 1.070/1.072 -> 1.095/1.097 (run 1241). The scales a tile ahead always with GQA; at D=128 without GQA slower:
+# 1.408 -> 1.511 ms with single tiles (run 0744), 1.375 -> 1.421-1.470 with pairs (run 1217).
 DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
 DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches
 DQ_HOPPER_HEAD_DIMS = (64, 128)
