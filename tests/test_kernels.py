@@ -538,6 +538,24 @@ def test_dkdv_hopper_peel_and_ahead_by_case():
         K.TUNE.clear()
 
 
+def test_dq_hopper_pipe_option():
+    """The dQ kernel's pipelined second pass: by head dim (DQ_HOPPER_PIPE) or TUNE dq_hopper_pipe, which refuses
+    ping-pong mode 2 (whose turns would then hold each dQ MMA a tile late)."""
+    from hf_deltamatch.kernels import launch
+    for d in (64, 128):
+        cfg = launch._dq_hopper_cfg(d)
+        assert cfg["pipe"] == (d in launch.DQ_HOPPER_PIPE)
+        assert cfg["pingpong"] == launch.DQ_HOPPER_PINGPONG.get(d, 0)
+    K.TUNE.update(dq_hopper_pipe=True, dq_hopper_pingpong=1)
+    try:
+        assert launch._dq_hopper_cfg(64) == dict(stages=launch.DQ_HOPPER_STAGES, pingpong=1, pipe=True)
+        K.TUNE["dq_hopper_pingpong"] = 2
+        with pytest.raises(ValueError, match="dq_hopper_pipe"):
+            launch._dq_hopper_cfg(128)
+    finally:
+        K.TUNE.clear()
+
+
 def test_gluon_kernels_only_where_they_apply():
     """The Gluon kernels (dkdv_hopper.py, dq_hopper.py, fwd_hopper.py; TUNE dkdv_hopper, dq_hopper, fwd_hopper)
     run only on an sm_90 GPU with Triton 3.6 and only for their case; anywhere else (the interpreter here, a

@@ -343,6 +343,49 @@ def test_dkdv_hopper_loop_variants():
                 assert between == [0.0, 0.0, 0.0], between
 
 
+def test_dq_hopper_pipe():
+    """The Gluon dQ kernel's pipelined second pass (TUNE dq_hopper_pipe: each tile's dQ MMA issued with the next
+    tile's S and dP) against its plain loop on the same saved tensors: dS and its tile scales are the same values,
+    so dK and dV are bit-identical; dQ is bit-identical on the full mask (the same tile order) and within fp32
+    summation order under causal masks (the diagonal tile comes first), as close to the reference backward as the
+    plain loop. Dense causal MHA and GQA, the full mask, D 128 (with and without the ping-pong) and 64, and a
+    packed batch. The differences are printed."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    cu = [0, 64, 64, 192, 1301, 2720]
+    cases = [((2, 4, 4, 2048, 128, True), None, {}), ((2, 4, 2, 2048, 128, True), None, {}),
+             ((1, 4, 4, 1024, 128, False), None, {}), ((2, 4, 4, 2048, 128, True), None, dict(dq_hopper_pingpong=0)),
+             ((2, 4, 4, 1280, 64, True), None, {}), ((1, 4, 4, 1024, 64, False), None, {}),
+             ((1, 4, 2, 4096, 128, True), cu, {}), ((1, 4, 4, 4096, 64, True), cu, {})]
+    for (B, Hq, Hkv, N, D, causal), cu_l, opts in cases:
+        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=13)
+        cu_t = None if cu_l is None else torch.tensor(cu_l, dtype=torch.int32, device="cuda")
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
+                  config=DeltaMatchConfig())
+        f = R.forward(q, k, v, **kw)  # the saved tensors every backward pass starts from
+        ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+
+        def run(pipe):
+            K.TUNE.update(dq_hopper=True, dq_hopper_pipe=pipe, **opts)
+            try:
+                return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+            finally:
+                K.TUNE.clear()
+
+        plain, piped = run(False), run(True)
+        end = N if cu_l is None else cu_l[-1]
+        between = [_rel(a[:, :, :end], b[:, :, :end]) for a, b in zip(piped, plain)]
+        to_ref = [[_rel(a[:, :, :end], b[:, :, :end]) for a, b in zip(g, ref)] for g in (plain, piped)]
+        print("DQ PIPE", (B, Hq, Hkv, N, D, causal), cu_l, opts, "between", between, "vs reference: plain, pipe",
+              to_ref)
+        assert torch.equal(piped[1], plain[1]) and torch.equal(piped[2], plain[2]), between
+        if causal:
+            assert between[0] < 1e-4 and to_ref[1][0] < 1.05 * to_ref[0][0] + 1e-5, (between, to_ref)
+        else:
+            assert torch.equal(piped[0], plain[0]), between
+
+
 @pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240))),
                                     (128, dict(dkdv_hopper_ahead=True)), (64, dict(dkdv_hopper_ahead=True))],
                          ids=["d128", "d64", "d64-wg-swap", "d128-ahead", "d64-ahead"])

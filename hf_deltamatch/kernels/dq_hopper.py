@@ -32,12 +32,16 @@ from ._gluon import (
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
-            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr):
+            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr,
+            ROTATE: gl.constexpr):
     mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
     tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
     for u in range(2 * n_k):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
         j = u % n_k
+        if ROTATE:  # pass 2 from the last key tile (the causal diagonal, PIPE) on: n_k - 1, 0, 1, ..
+            if u >= n_k:
+                j = (u - 1) % n_k
         s = u % STAGES
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
@@ -53,22 +57,26 @@ def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v
 
 
 @gluon.jit
-def _p_dp(q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
-          kv_row, MASKED: gl.constexpr, WRAP: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-          PINGPONG: gl.constexpr):
-    """Key tile j (sk_t, sv_t: its scales), the ring's load u: P = exp2(S * s_f - LSE2), masked on the diagonal
-    tile, dP unscaled and its scale. Also returns the next key tile's scales (WRAP: after the last, the first's),
-    loaded under the MMAs: read in the tile they were loaded for, they left the warps waiting on L2 (ncu run
-    0733)."""
-    s_layout: gl.constexpr = s_acc.type.layout
+def _issue_s_dp(q_sub, do_sub, k_smem, v_smem, ready, u, s_acc, dp_acc, STAGES: gl.constexpr, WG: gl.constexpr,
+                PINGPONG: gl.constexpr):
+    """The ring's load u: wait for it, then (in this warpgroup's turn with PINGPONG, left to the caller to pass)
+    issue S = q8 k8^T and dP = dO8 v8^T into fresh accumulators."""
     s = u % STAGES
     mbarrier.wait(ready.index(s), (u // STAGES) & 1)
     if PINGPONG:
         wait_turn(WG)
     s_acc = warpgroup_mma(q_sub, k_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
     dp_acc = warpgroup_mma(do_sub, v_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
-    if PINGPONG:
-        pass_turn(WG)
+    return s_acc, dp_acc, s
+
+
+@gluon.jit
+def _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV, kv_row, MASKED: gl.constexpr,
+          WRAP: gl.constexpr, PENDING: gl.constexpr):
+    """Key tile j (sk_t, sv_t: its scales), its S and dP MMAs issued (then PENDING more): P = exp2(S * s_f - LSE2),
+    masked on the diagonal tile, dP unscaled and its scale. Also returns the next key tile's scales (WRAP: after
+    the last, the first's), loaded under the MMAs: read in the tile they were loaded for, they left the warps
+    waiting on L2 (ncu run 0733)."""
     s_f = row_f * sk_t
     dpf = dp_f * sv_t
     if WRAP:
@@ -77,13 +85,26 @@ def _p_dp(q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f,
         ahead = kv_row + gl.minimum(j + 1, n_k - 1) * BLOCK_N
     sk_t = gl.load(SK + ahead)
     sv_t = gl.load(SV + ahead)
-    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S done; dP's MMA runs under the exponentials
+    s_acc = warpgroup_mma_wait(1 + PENDING, deps=(s_acc, ))  # S done; dP's MMA runs under the exponentials
     # the mask on P, not on S: the scale and LSE2 then fuse into one FFMA per score on every tile
     p = gl.exp2(s_acc * s_f - lse2[:, None])
     if MASKED:  # the program's diagonal key tile (N = M: top-left = bottom-right)
-        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_acc.type.layout))
         p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
-    dp_acc = warpgroup_mma_wait(0, deps=(dp_acc, ))
+    dp_acc = warpgroup_mma_wait(PENDING, deps=(dp_acc, ))
+    return s_acc, p, dp_acc, dpf, sk_t, sv_t
+
+
+@gluon.jit
+def _p_dp(q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
+          kv_row, MASKED: gl.constexpr, WRAP: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+          PINGPONG: gl.constexpr):
+    """Key tile j, the ring's load u: _issue_s_dp, then _p_of. Returns the stage too."""
+    s_acc, dp_acc, s = _issue_s_dp(q_sub, do_sub, k_smem, v_smem, ready, u, s_acc, dp_acc, STAGES, WG, PINGPONG)
+    if PINGPONG:
+        pass_turn(WG)
+    s_acc, p, dp_acc, dpf, sk_t, sv_t = _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
+                                              kv_row, MASKED, WRAP, 0)
     return s_acc, p, dp_acc, dpf, sk_t, sv_t, s
 
 
@@ -139,11 +160,47 @@ def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, S
 
 
 @gluon.jit
+def _dq_tile_pipe(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
+                  dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds_prev, s_prev,
+                  MASKED: gl.constexpr, STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
+                  ROW_SUMS: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr, PREV: gl.constexpr):
+    """Pass 2 on key tile j, the pass's t-th (PIPE): as _dq_tile, but this tile's dQ MMA is left to the next
+    tile's call, which issues it (from ds, sds_prev, stage s_prev; PREV) with its own S and dP, so that it runs
+    under that tile's exponentials rather than the warpgroup waiting on it. Returns this tile's dS in fp32 (in
+    dP's accumulator registers, which the next tile's dP MMA takes over): an fp8 tensor carried across the loop's
+    back edge costs ~200 byte unpacking and packing instructions per tile."""
+    a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
+    c = sk_t  # times sds below
+    if PREV:
+        ds8 = fp8_operand(ds * (1.0 / sds_prev), a_layout)
+    s_acc, dp_acc, s = _issue_s_dp(q_sub, do_sub, k_smem, v_smem, ready, n_k + t, s_acc, ds, STAGES, WG, PINGPONG)
+    if PREV:
+        dq = warpgroup_mma(ds8, kt_smem.index(s_prev).permute((1, 0)), dq, is_async=True)
+    if PINGPONG:
+        pass_turn(WG)
+    s_acc, p, dp_acc, dpf, sk_t, sv_t = _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
+                                              kv_row, MASKED, True, PREV)
+    ds = p * (dp_acc * dpf - delta[:, None])
+    if ROW_SUMS:
+        rs += gl.sum(ds, 1)
+        ra += gl.sum(gl.abs(ds), 1)
+    sds = tile_scale(gl.max(gl.abs(ds), None), FMAX, POW2)
+    gl.store(DSS + dss_at + j, sds)
+    if PREV:  # the previous tile's dQ MMA: done with its ds8 registers (ptxas tracks those) and its ring stage
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        mbarrier.arrive(empty.index(s_prev))
+    c = sds * c
+    dq = dq * (c_dq / c)  # into this tile's units, for its dQ MMA in the next call
+    c_dq = c
+    return s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s
+
+
+@gluon.jit
 def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty,
                    SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
                    dss_tk, dss_col0, out0, length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
-                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr):
+                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PIPE: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -180,16 +237,34 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
     c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile)
     dss_at = dss_row * dss_tk + dss_col0
-    for j in range(n_plain):  # pass 2: dS and dQ
-        s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
-            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
-            lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, False, STAGES, FMAX, POW2, ROW_SUMS,
-            WG, PINGPONG)
-    if CAUSAL:
-        s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
-            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, True, STAGES, FMAX, POW2, ROW_SUMS,
-            WG, PINGPONG)
+    if PIPE:  # pass 2 pipelined: the diagonal tile first (the loader's order), then 0 .. n_plain - 1
+        first = n_plain if CAUSAL else 0
+        sk_t = gl.load(SK + kv_row + first * BLOCK_N)  # pass 1 loaded key tile 0's
+        sv_t = gl.load(SV + kv_row + first * BLOCK_N)
+        s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
+            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, 0, first, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
+            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, c_dq, 0, CAUSAL, STAGES, FMAX, POW2,
+            ROW_SUMS, WG, PINGPONG, False)
+        for t in range(1, n_k):
+            s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, t - 1 if CAUSAL else t, n_k, SK, SV, DSS,
+                kv_row, dss_at, row_f, dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev,
+                False, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, True)
+        ds8 = fp8_operand(ds * (1.0 / sds), fp8_a_layout(d_layout))  # the last tile's dQ MMA
+        dq = warpgroup_mma(ds8, kt_smem.index(s_prev).permute((1, 0)), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        mbarrier.arrive(empty.index(s_prev))
+    else:
+        for j in range(n_plain):  # pass 2: dS and dQ
+            s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
+                dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, False, STAGES, FMAX, POW2,
+                ROW_SUMS, WG, PINGPONG)
+        if CAUSAL:
+            s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at,
+                row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, True, STAGES, FMAX,
+                POW2, ROW_SUMS, WG, PINGPONG)
     if PINGPONG:
         if WG == 0:  # the turn warpgroup 1 passed with its last MMAs: every named-barrier arrive is consumed
             wait_turn(WG)
@@ -214,7 +289,7 @@ def _bwd_dq_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
-    VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
+    VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PIPE: gl.constexpr,
 ):
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
     base, length, start = _segment(CU, PCU, N, VARLEN)
@@ -246,19 +321,19 @@ def _bwd_dq_hopper_kernel(
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
                           dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS,
-                          VARLEN, PINGPONG)),
+                          VARLEN, PINGPONG, PIPE)),
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
                           dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
-                          ROW_SUMS, VARLEN, PINGPONG)),
+                          ROW_SUMS, VARLEN, PINGPONG, PIPE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
-                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D)),
+                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D, PIPE and CAUSAL)),
     ], [4, 1], [240, 24])
 
 
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
               dss_tq, dss_tk, grid, n_tiles, head_group, stages, pingpong, scale_after_sum, fmax, pow2, row_sums,
-              segments=None):
+              pipe=False, segments=None):
     """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
     the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
     tensor but dq in its padded layout."""
@@ -270,5 +345,6 @@ def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, 
         _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
         dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
-        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong), num_warps=4,
+        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong), PIPE=bool(pipe),
+        num_warps=4,
     )

@@ -20,6 +20,7 @@ from ._fp8 import INTERPRET
 # and delta, as _dkdv_fold_ds_scale), "dkdv_hopper_pairs": True / False (see DKDV_HOPPER_PAIRS),
 # "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong": 0, 1, 2 (see DQ_HOPPER_PINGPONG),
+# "dq_hopper_pipe": True / False (see DQ_HOPPER_PIPE),
 # "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
 # "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
 # {head dim: that} (see FWD_HOPPER_WARPGROUPS),
@@ -30,7 +31,7 @@ TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dkdv_hopper_pairs", "dkdv_hopper_peel", "dkdv_hopper_ahead", "dq_hopper",
               "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs", "dkdv_hopper_wgs",
-              "hopper_packed", "dq_hopper_pingpong"}
+              "hopper_packed", "dq_hopper_pingpong", "dq_hopper_pipe"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -229,6 +230,11 @@ DQ_HOPPER_STAGES = 3
 # with 1, 1.474 with 2; D=64 2.324 -> 2.401 with 1. In the dK/dV kernel (D=128) turns made it slower: 1.414 ->
 # 1.448 (S^T, dP^T) and 1.483 (every MMA), run 0837
 DQ_HOPPER_PINGPONG = {128: 1}
+# Head dims at which the dQ kernel's second pass is pipelined: each tile's dQ MMA issued with the next tile's S and
+# dP MMAs, so that it runs under that tile's exponentials instead of the warpgroup waiting on it at the tile's end
+# (16 registers more: the in-flight ds8 operand). The causal diagonal tile then comes first, so dQ sums its tiles
+# in another order (dS, its scales, dK and dV are unchanged). Not timed on the H200 yet.
+DQ_HOPPER_PIPE = ()
 # Always two MMA warpgroups (64 queries each): three spilled with the full 128-key tile (run 0527: 2.73 vs 2.55 ms
 # at D=64) and, with the second pass in 64-key halves (no spills), were no faster (run 0625: 2.52 vs 2.51 ms dense
 # D=64, 1.865 vs 1.859 packed); commit 6f8193a has that version
@@ -349,10 +355,14 @@ def _fwd_hopper_cfg(d: int) -> dict:
 
 
 def _dq_hopper_cfg(d: int) -> dict:
-    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES and DQ_HOPPER_PINGPONG, or
-    TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"]."""
-    return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)),
-                pingpong=int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0))))
+    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES, DQ_HOPPER_PINGPONG and DQ_HOPPER_PIPE, or
+    TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"], TUNE["dq_hopper_pipe"]."""
+    pingpong = int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0)))
+    pipe = bool(TUNE.get("dq_hopper_pipe", d in DQ_HOPPER_PIPE))
+    if pipe and pingpong == 2:
+        raise ValueError("dq_hopper_pipe issues each dQ MMA in the next tile's turn: use it with dq_hopper_pingpong "
+                         "0 or 1, not 2")
+    return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)), pingpong=pingpong, pipe=pipe)
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
