@@ -252,7 +252,7 @@ def main():
                                                             AHEAD=cfg["ahead"]), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
-            cfg = K._dq_hopper_cfg(args.d)
+            cfg = K._dq_hopper_cfg(args.d, causal)
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=cfg["stages"],
                 SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,

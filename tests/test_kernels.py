@@ -467,11 +467,11 @@ def test_dkdv_block_n_needs_the_ds_scales():
 
 def test_gluon_kernels_by_head_dim(monkeypatch):
     """Which Gluon kernels take the Gluon kernels' case (launch._hopper_case, forced true here: it needs an sm_90
-    GPU), by head dim: dense batches take the Gluon forward at D=128 only (at D=64 the Triton one is as fast),
-    packed batches at D=64 too (the Triton kernels are 2-4 x slower on them, run 0506), dQ and dK/dV at both."""
+    GPU), by head dim: the forward, dQ and dK/dV at D 64 and 128, dense and packed batches (the Gluon forward at
+    D=64 on dense batches since run 1327: 1.05 vs 1.10 ms for the Triton one)."""
     from hf_deltamatch.kernels import launch
     monkeypatch.setattr(launch, "_hopper_case", lambda **case: True)
-    for d, varlen, want in ((128, False, (True, True, True)), (64, False, (False, True, True)),
+    for d, varlen, want in ((128, False, (True, True, True)), (64, False, (True, True, True)),
                             (64, True, (True, True, True))):
         case = dict(fp8=True, dqk=d, dv=d, block=128, varlen=varlen, window=None, n=1024, m=1024,
                     device=torch.device("cpu"), packed=varlen)
@@ -539,19 +539,20 @@ def test_dkdv_hopper_peel_and_ahead_by_case():
 
 
 def test_dq_hopper_pipe_option():
-    """The dQ kernel's pipelined second pass: by head dim (DQ_HOPPER_PIPE) or TUNE dq_hopper_pipe, which refuses
-    ping-pong mode 2 (whose turns would then hold each dQ MMA a tile late)."""
+    """The dQ kernel's pipelined second pass: by head dim on the full mask only (DQ_HOPPER_PIPE_FULL), or TUNE
+    dq_hopper_pipe, which refuses ping-pong mode 2 (whose turns would then hold each dQ MMA a tile late)."""
     from hf_deltamatch.kernels import launch
     for d in (64, 128):
-        cfg = launch._dq_hopper_cfg(d)
-        assert cfg["pipe"] == (d in launch.DQ_HOPPER_PIPE)
-        assert cfg["pingpong"] == launch.DQ_HOPPER_PINGPONG.get(d, 0)
+        for causal in (True, False):
+            cfg = launch._dq_hopper_cfg(d, causal)
+            assert cfg["pipe"] == (d in launch.DQ_HOPPER_PIPE_FULL and not causal)
+            assert cfg["pingpong"] == launch.DQ_HOPPER_PINGPONG.get(d, 0)
     K.TUNE.update(dq_hopper_pipe=True, dq_hopper_pingpong=1)
     try:
-        assert launch._dq_hopper_cfg(64) == dict(stages=launch.DQ_HOPPER_STAGES, pingpong=1, pipe=True)
+        assert launch._dq_hopper_cfg(64, True) == dict(stages=launch.DQ_HOPPER_STAGES, pingpong=1, pipe=True)
         K.TUNE["dq_hopper_pingpong"] = 2
         with pytest.raises(ValueError, match="dq_hopper_pipe"):
-            launch._dq_hopper_cfg(128)
+            launch._dq_hopper_cfg(128, False)
     finally:
         K.TUNE.clear()
 

@@ -331,7 +331,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, causal=causal,
                       softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                       head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
-                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, **_dq_hopper_cfg(d))
+                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums,
+                      **_dq_hopper_cfg(d, bool(causal)))
         else:
             if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
                 ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
@@ -414,7 +415,7 @@ def _backward_packed(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
     grid, n_tiles, head_group = _grid("dq", _blocks(max_n, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, True)
     dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
               n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
-              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg(D))
+              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg(D, True))
     del k8t
     q8t = token_major(q8_, k_order=True, src=seg.src)
     cfg = _dkdv_hopper_cfg(D, causal=True, groups=Hq // Hkv, packed=True)

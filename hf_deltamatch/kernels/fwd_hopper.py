@@ -1,5 +1,5 @@
 """The forward on Hopper, written in Gluon: one TMA warp feeding three (or two) independent MMA warpgroups (on at
-D=128 and for packed batches: launch.FWD_HOPPER_HEAD_DIMS, FWD_HOPPER_WARPGROUPS).
+D 64 and 128: launch.FWD_HOPPER_HEAD_DIMS, FWD_HOPPER_WARPGROUPS).
 
 The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case
 (launch._hopper_case): fp8, Dqk = Dv in (64, 128), no window, N = M a multiple of 128, or a causal packed batch

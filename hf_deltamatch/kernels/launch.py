@@ -20,7 +20,7 @@ from ._fp8 import INTERPRET
 # and delta, as _dkdv_fold_ds_scale), "dkdv_hopper_pairs": True / False (see DKDV_HOPPER_PAIRS),
 # "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong": 0, 1, 2 (see DQ_HOPPER_PINGPONG),
-# "dq_hopper_pipe": True / False (see DQ_HOPPER_PIPE),
+# "dq_hopper_pipe": True / False (see DQ_HOPPER_PIPE_FULL),
 # "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
 # "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
 # {head dim: that} (see FWD_HOPPER_WARPGROUPS),
@@ -230,11 +230,15 @@ DQ_HOPPER_STAGES = 3
 # with 1, 1.474 with 2; D=64 2.324 -> 2.401 with 1. In the dK/dV kernel (D=128) turns made it slower: 1.414 ->
 # 1.448 (S^T, dP^T) and 1.483 (every MMA), run 0837
 DQ_HOPPER_PINGPONG = {128: 1}
-# Head dims at which the dQ kernel's second pass is pipelined: each tile's dQ MMA issued with the next tile's S and
-# dP MMAs, so that it runs under that tile's exponentials instead of the warpgroup waiting on it at the tile's end
-# (16 registers more: the in-flight ds8 operand). The causal diagonal tile then comes first, so dQ sums its tiles
-# in another order (dS, its scales, dK and dV are unchanged). Not timed on the H200 yet.
-DQ_HOPPER_PIPE = ()
+# Head dims at which the dQ kernel's second pass is pipelined on the full mask: each tile's dQ MMA issued with the
+# next tile's S and dP MMAs, so that it runs under that tile's exponentials instead of the warpgroup waiting on it
+# at the tile's end (the loop 611 -> 629 instructions at D=128). H200, N=8192, dQ kernel ms, two same-run readings
+# each (runs 1324, 1327): full mask D=128 2.788/2.834/2.786/2.799 -> 2.713/2.716/2.720/2.703, D=64 4.534/4.573 ->
+# 4.393/4.430; causal D=128 1.375/1.374 -> 1.440/1.400 (1.402/1.382 without the ping-pong vs 1.401/1.379), D=64
+# 2.311/2.319 -> 2.344/2.347, GQA 1.394/1.393 -> 1.409/1.407: not under causal masks, whose programs are short
+# (the pipeline's first and last tiles are not overlapped) and where the diagonal tile then comes first, so that dQ
+# sums its tiles in another order (within 9e-4, test_dq_hopper_pipe; on the full mask bit-identical).
+DQ_HOPPER_PIPE_FULL = (64, 128)
 # Always two MMA warpgroups (64 queries each): three spilled with the full 128-key tile (run 0527: 2.73 vs 2.55 ms
 # at D=64) and, with the second pass in 64-key halves (no spills), were no faster (run 0625: 2.52 vs 2.51 ms dense
 # D=64, 1.865 vs 1.859 packed); commit 6f8193a has that version
@@ -242,9 +246,8 @@ DQ_HOPPER_WARPGROUPS = 2
 
 
 # Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence at rows starting at
-# multiples of 128): causal self-attention, one batch row, no window, forward and backward alike. On packed
-# batches the Gluon forward runs at D=64 too, where dense batches keep the Triton one: the Triton kernels on a
-# packed batch are far slower than on a dense one (H200, 32768 tokens of 26 documents, B=1, H=32, D=64, run 0506:
+# multiples of 128): causal self-attention, one batch row, no window, forward and backward alike. The Triton
+# kernels on a packed batch are far slower than on a dense one (H200, 32768 tokens of 26 documents, B=1, H=32, D=64, run 0506:
 # fwd+bwd 11.6 ms on the Triton kernels; forward 1.15 vs 1.81 ms and dQ 1.88 vs 4.15 ms with the Gluon ones;
 # FlashAttention-2 varlen 4.87 ms; with the padded layout written by the quantization, 4.59 vs 4.91, run 0641).
 HOPPER_PACKED = True
@@ -270,15 +273,16 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
 
 # Head dims at which the forward comes from fwd_hopper's Gluon kernel where it applies (_hopper_case). H200,
 # N=8192, kernel ms against _fwd_kernel in the same run (session 9, run 0156): D=128 causal 0.775 -> 0.754, full
-# 1.469 -> 1.436, GQA 0.786 -> 0.747 (2 stages; 3 stages the same); at D=64 1.10 -> 1.41 (_fwd_kernel runs three
-# programs per SM there, the Gluon kernel one of two warpgroups), so not there. FA3's schedule (tile j-1's PV
+# 1.469 -> 1.436, GQA 0.786 -> 0.747 (2 stages; 3 stages the same); at D=64 1.10 -> 1.41 then (_fwd_kernel runs
+# three programs per SM there, the Gluon kernel one of two warpgroups); with three warpgroups (below) and session
+# 15's kernel, D=64 causal 1.099/1.113 -> 1.047/1.048 (run 1327), so there too since session 18. FA3's schedule (tile j-1's PV
 # issued with tile j's QK^T, the warpgroups taking turns through mbarriers; run 0208) was slower: 0.832 causal,
 # 0.824 GQA, 1.393 full (the same loop without the turns: 0.759-0.815, runs 0140 and 0148), so not kept.
-FWD_HOPPER_HEAD_DIMS = (128,)
+FWD_HOPPER_HEAD_DIMS = (64, 128)
 FWD_HOPPER_STAGES = 2
 # MMA warpgroups per program (64 queries each) and their registers, by head dim: three of 160, so that an SM runs
-# three softmax streams. D=64 (H200, run 0519): 1.50 -> 1.13 ms at N=8192 causal, vs 1.11 for the Triton forward,
-# which dense batches keep; the packed batch 1.15 -> 0.96. D=128 (run 0955; S, O and P8 fit in 160 registers, no
+# three softmax streams. D=64 (H200, run 0519): 1.50 -> 1.13 ms at N=8192 causal, vs 1.11 for the Triton forward
+# then (1.05 vs 1.10 in run 1327); the packed batch 1.15 -> 0.96. D=128 (run 0955; S, O and P8 fit in 160 registers, no
 # spills): 0.791 -> 0.665 ms causal (827 TFLOP/s), 1.437 -> 1.218 full (903), packed 0.660 -> 0.538; 3 stages
 # 0.680. The dQ kernel spills with three (D=64, run 0527: 2.73 vs 2.55 ms) and keeps two (DQ_HOPPER_WARPGROUPS).
 FWD_HOPPER_WARPGROUPS = {64: (3, 160), 128: (3, 160)}
@@ -354,11 +358,11 @@ def _fwd_hopper_cfg(d: int) -> dict:
                 **_warpgroups("fwd", d, FWD_HOPPER_WARPGROUPS))
 
 
-def _dq_hopper_cfg(d: int) -> dict:
-    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES, DQ_HOPPER_PINGPONG and DQ_HOPPER_PIPE, or
-    TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"], TUNE["dq_hopper_pipe"]."""
+def _dq_hopper_cfg(d: int, causal: bool) -> dict:
+    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES, DQ_HOPPER_PINGPONG and DQ_HOPPER_PIPE_FULL
+    (without a causal mask), or TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"], TUNE["dq_hopper_pipe"]."""
     pingpong = int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0)))
-    pipe = bool(TUNE.get("dq_hopper_pipe", d in DQ_HOPPER_PIPE))
+    pipe = bool(TUNE.get("dq_hopper_pipe", d in DQ_HOPPER_PIPE_FULL and not causal))
     if pipe and pingpong == 2:
         raise ValueError("dq_hopper_pipe issues each dQ MMA in the next tile's turn: use it with dq_hopper_pingpong "
                          "0 or 1, not 2")
