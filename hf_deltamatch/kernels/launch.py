@@ -247,8 +247,8 @@ DQ_HOPPER_WARPGROUPS = 2
 
 # Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence at rows starting at
 # multiples of 128): causal self-attention, one batch row, no window, forward and backward alike. The Triton
-# kernels on a packed batch are far slower than on a dense one (H200, 32768 tokens of 26 documents, B=1, H=32, D=64, run 0506:
-# fwd+bwd 11.6 ms on the Triton kernels; forward 1.15 vs 1.81 ms and dQ 1.88 vs 4.15 ms with the Gluon ones;
+# kernels on a packed batch are far slower than on a dense one (H200, 32768 tokens of 26 documents, B=1, H=32,
+# D=64, run 0506: fwd+bwd 11.6 ms on the Triton kernels; forward 1.15 vs 1.81 ms and dQ 1.88 vs 4.15 ms with the Gluon ones;
 # FlashAttention-2 varlen 4.87 ms; with the padded layout written by the quantization, 4.59 vs 4.91, run 0641).
 HOPPER_PACKED = True
 
@@ -275,9 +275,9 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
 # N=8192, kernel ms against _fwd_kernel in the same run (session 9, run 0156): D=128 causal 0.775 -> 0.754, full
 # 1.469 -> 1.436, GQA 0.786 -> 0.747 (2 stages; 3 stages the same); at D=64 1.10 -> 1.41 then (_fwd_kernel runs
 # three programs per SM there, the Gluon kernel one of two warpgroups); with three warpgroups (below) and session
-# 15's kernel, D=64 causal 1.099/1.113 -> 1.047/1.048 (run 1327), so there too since session 18. FA3's schedule (tile j-1's PV
-# issued with tile j's QK^T, the warpgroups taking turns through mbarriers; run 0208) was slower: 0.832 causal,
-# 0.824 GQA, 1.393 full (the same loop without the turns: 0.759-0.815, runs 0140 and 0148), so not kept.
+# 15's kernel, D=64 causal 1.099/1.113 -> 1.047/1.048 (run 1327), so there too since session 18. FA3's schedule
+# (tile j-1's PV issued with tile j's QK^T, the warpgroups taking turns through mbarriers; run 0208) was slower:
+# 0.832 causal, 0.824 GQA, 1.393 full (the same loop without the turns: 0.759-0.815, runs 0140 and 0148).
 FWD_HOPPER_HEAD_DIMS = (64, 128)
 FWD_HOPPER_STAGES = 2
 # MMA warpgroups per program (64 queries each) and their registers, by head dim: three of 160, so that an SM runs
