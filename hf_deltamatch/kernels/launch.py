@@ -248,8 +248,9 @@ DQ_HOPPER_WARPGROUPS = 2
 # Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence at rows starting at
 # multiples of 128): causal self-attention, one batch row, no window, forward and backward alike. The Triton
 # kernels on a packed batch are far slower than on a dense one (H200, 32768 tokens of 26 documents, B=1, H=32,
-# D=64, run 0506: fwd+bwd 11.6 ms on the Triton kernels; forward 1.15 vs 1.81 ms and dQ 1.88 vs 4.15 ms with the Gluon ones;
-# FlashAttention-2 varlen 4.87 ms; with the padded layout written by the quantization, 4.59 vs 4.91, run 0641).
+# D=64, run 0506: fwd+bwd 11.6 ms on the Triton kernels; forward 1.15 vs 1.81 ms and dQ 1.88 vs 4.15 ms with the
+# Gluon ones; FlashAttention-2 varlen 4.87 ms; with the padded layout written by the quantization, 4.59 vs 4.91,
+# run 0641).
 HOPPER_PACKED = True
 
 
