@@ -553,6 +553,8 @@ def test_dq_hopper_pipe_option():
         K.TUNE["dq_hopper_pingpong"] = 2
         with pytest.raises(ValueError, match="dq_hopper_pipe"):
             launch._dq_hopper_cfg(128, False)
+        del K.TUNE["dq_hopper_pipe"]  # mode 2 asked for alone: the full mask's default pipeline yields to it
+        assert not launch._dq_hopper_cfg(128, False)["pipe"]
     finally:
         K.TUNE.clear()
 

@@ -361,9 +361,10 @@ def _fwd_hopper_cfg(d: int) -> dict:
 
 def _dq_hopper_cfg(d: int, causal: bool) -> dict:
     """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES, DQ_HOPPER_PINGPONG and DQ_HOPPER_PIPE_FULL
-    (without a causal mask), or TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"], TUNE["dq_hopper_pipe"]."""
+    (without a causal mask, and not with ping-pong mode 2), or TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"],
+    TUNE["dq_hopper_pipe"]."""
     pingpong = int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0)))
-    pipe = bool(TUNE.get("dq_hopper_pipe", d in DQ_HOPPER_PIPE_FULL and not causal))
+    pipe = bool(TUNE.get("dq_hopper_pipe", d in DQ_HOPPER_PIPE_FULL and not causal and pingpong != 2))
     if pipe and pingpong == 2:
         raise ValueError("dq_hopper_pipe issues each dQ MMA in the next tile's turn: use it with dq_hopper_pingpong "
                          "0 or 1, not 2")
