@@ -262,7 +262,7 @@ def _gluon_vs_triton(gluon, opts, seed):
     return out
 
 
-@pytest.mark.parametrize("stages,pingpong", [(2, 0), (3, 0), (3, 1), (3, 2)])
+@pytest.mark.parametrize("stages,pingpong", [(2, 0), (3, 0), (3, 1), (3, 2), (4, 0)])
 def test_dq_hopper_kernel(stages, pingpong):
     """The Gluon dQ kernel with the correction pass (dq_hopper.py, TUNE dq_hopper), alone and with the Gluon
     dK/dV kernel, against the reference (the same tolerances) and against _bwd_dq_kernel (the same arithmetic;
