@@ -547,9 +547,11 @@ def test_dq_hopper_pipe_option():
             cfg = launch._dq_hopper_cfg(d, causal)
             assert cfg["pipe"] == (d in launch.DQ_HOPPER_PIPE_FULL and not causal)
             assert cfg["pingpong"] == launch.DQ_HOPPER_PINGPONG.get(d, 0)
-    K.TUNE.update(dq_hopper_pipe=True, dq_hopper_pingpong=1)
+            assert cfg["stages"] == (launch.DQ_HOPPER_PIPE_STAGES.get(d, launch.DQ_HOPPER_STAGES) if cfg["pipe"]
+                                     else launch.DQ_HOPPER_STAGES)
+    K.TUNE.update(dq_hopper_pipe=True, dq_hopper_pingpong=1, dq_hopper_stages=2)
     try:
-        assert launch._dq_hopper_cfg(64, True) == dict(stages=launch.DQ_HOPPER_STAGES, pingpong=1, pipe=True)
+        assert launch._dq_hopper_cfg(64, True) == dict(stages=2, pingpong=1, pipe=True)
         K.TUNE["dq_hopper_pingpong"] = 2
         with pytest.raises(ValueError, match="dq_hopper_pipe"):
             launch._dq_hopper_cfg(128, False)

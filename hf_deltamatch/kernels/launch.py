@@ -239,6 +239,10 @@ DQ_HOPPER_PINGPONG = {128: 1}
 # (the pipeline's first and last tiles are not overlapped) and where the diagonal tile then comes first, so that dQ
 # sums its tiles in another order (within 9e-4, test_dq_hopper_pipe; on the full mask bit-identical).
 DQ_HOPPER_PIPE_FULL = (64, 128)
+# The ring's stages by head dim where the pass is pipelined: D=64 full mask 4.456/4.423 -> 4.338/4.304 ms with 4
+# (run 1348; 4.393/4.430 -> 4.280/4.306 in run 1327); 4 stages were slower without the pipeline (D=64 causal
+# 2.326/2.311 -> 2.373/2.398) and at D=128 (full 2.721/2.744 -> 2.741/2.784, causal 1.414/1.444 -> 1.458/1.461)
+DQ_HOPPER_PIPE_STAGES = {64: 4}
 # Always two MMA warpgroups (64 queries each): three spilled with the full 128-key tile (run 0527: 2.73 vs 2.55 ms
 # at D=64) and, with the second pass in 64-key halves (no spills), were no faster (run 0625: 2.52 vs 2.51 ms dense
 # D=64, 1.865 vs 1.859 packed); commit 6f8193a has that version
@@ -360,15 +364,16 @@ def _fwd_hopper_cfg(d: int) -> dict:
 
 
 def _dq_hopper_cfg(d: int, causal: bool) -> dict:
-    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES, DQ_HOPPER_PINGPONG and DQ_HOPPER_PIPE_FULL
-    (without a causal mask, and not with ping-pong mode 2), or TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"],
-    TUNE["dq_hopper_pipe"]."""
+    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES (DQ_HOPPER_PIPE_STAGES when pipelined),
+    DQ_HOPPER_PINGPONG and DQ_HOPPER_PIPE_FULL (without a causal mask, and not with ping-pong mode 2), or
+    TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"], TUNE["dq_hopper_pipe"]."""
     pingpong = int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0)))
     pipe = bool(TUNE.get("dq_hopper_pipe", d in DQ_HOPPER_PIPE_FULL and not causal and pingpong != 2))
+    stages = DQ_HOPPER_PIPE_STAGES.get(d, DQ_HOPPER_STAGES) if pipe else DQ_HOPPER_STAGES
     if pipe and pingpong == 2:
         raise ValueError("dq_hopper_pipe issues each dQ MMA in the next tile's turn: use it with dq_hopper_pingpong "
                          "0 or 1, not 2")
-    return dict(stages=int(TUNE.get("dq_hopper_stages", DQ_HOPPER_STAGES)), pingpong=pingpong, pipe=pipe)
+    return dict(stages=int(TUNE.get("dq_hopper_stages", stages)), pingpong=pingpong, pipe=pipe)
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
