@@ -16,7 +16,9 @@ other. Per key tile of 128 keys (stage s), in one warpgroup (rows r0 .. r0+63):
           dQ = dQ * (c / c') + (dS / sds)8 k8   (c' = sds * sk: dq is kept in units of the last tile's c')
 With PINGPONG (on at D=128, launch.DQ_HOPPER_PINGPONG) the two warpgroups take turns to issue their S and dP MMAs
 (FlashAttention-3's ping-pong through named barriers, _gluon.wait_turn), so one's exponentials overlap the other's
-MMAs more often.
+MMAs more often. With PIPE (on the full mask, launch.DQ_HOPPER_PIPE_FULL) pass 2 is software-pipelined: tile j's
+dQ MMA is issued after tile j+1's S and dP and runs under its exponentials (_dq_tile_pipe); under a causal mask the
+loader then brings the diagonal tile first (ROTATE).
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dq_kernel` (tests/test_kernels_gpu.py).
 """
 
