@@ -14,8 +14,9 @@
 #                              killed; it writes its results after every shape, so the finished ones remain.
 #   GPU_CHECK_PYTEST_ARGS      extra arguments for pytest, e.g. -k "hopper" and -k "not hopper" to split the GPU
 #                              tests over two calls (42 tests since session 11: more than one call's 600 s; the
-#                              18 of -k hopper took ~400 s in session 17, which leaves the benchmark ~150 s: not
-#                              enough for every preset, so give it a call of its own)
+#                              18 of -k hopper took ~400 s in session 17, and session 18 added two (~90 s): the
+#                              benchmark gets a call of its own; 33 of -k "hopper or dense_fp8 or modes or
+#                              exact_attention" took 419 s in session 18, the other 17 GPU tests 186 s)
 #   GPU_CHECK_BENCH_ARGS       extra arguments for benchmarks/attention.py (e.g. "--quick")
 #   PYTHON                     interpreter (default python3: the GPU image has no `python`)
 # Exit status: the benchmark's if it failed, else pytest's (5 = no gpu tests collected counts as success).

@@ -62,9 +62,10 @@ def test_forward_compiles_for_sm90_on_the_cpu():
     assert body and all("mma=" in ln and "mufu=" in ln for ln in body)
 
 
-@pytest.mark.parametrize("variant", [[], ["--varlen"]], ids=["dense", "packed"])
+@pytest.mark.parametrize("variant", [[], ["--varlen"], ["--full"]], ids=["dense", "packed", "full"])
 def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
-    """The Gluon kernels (kernels/*_hopper.py: forward, dQ, dK/dV; dense and packed batches) compile for sm_90
+    """The Gluon kernels (kernels/*_hopper.py: forward, dQ, dK/dV; dense causal and packed batches, and the full
+    mask, where dQ's second pass is pipelined and dK/dV takes its tiles in pairs) compile for sm_90
     with the installed Triton (3.6's Gluon API or the renamed one since): no spills and no serialized wgmmas, the
     properties their speed on the H200 rests on (NOTES.md). One known exception: with Triton 3.9 the
     three-warpgroup forward at D=128 spills (16 bytes dense, 136 packed); it compiles clean with 3.6, the only
