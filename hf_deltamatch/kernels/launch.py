@@ -104,7 +104,9 @@ def _asm_scales(kernel: str, d: int, causal: bool = True) -> bool:
 # instead of scaling every dP first (the same delta up to fp32 rounding): its unmasked loop 385 -> 321 SASS
 # instructions per warp per tile at D=128 (sm_90, Triton 3.6; benchmarks/sm90_registers.py --loops). H200,
 # N=8192 (run 2110): the dQ kernel 1.783 -> 1.720 ms causal, 3.253 -> 3.182 full at D=128; 2.563 -> 2.589 at D=64.
-# D=256 with LSE2 and P*256 below (run 2144): dQ 2.255 -> 2.244, dK/dV 2.467 -> 2.402.
+# D=256 with LSE2 and P*256 below (run 2144): dQ 2.255 -> 2.244, dK/dV 2.467 -> 2.402. The Gluon dQ kernel at D=64
+# (run 1359): pass 1 322 -> 258 instructions per tile, yet causal 2.310/2.321 -> 2.361/2.361 ms, full 4.305/4.312
+# -> 4.355/4.370, so still not there.
 SCALE_AFTER_SUM_HEAD_DIMS = (128, 256)
 
 
