@@ -249,7 +249,7 @@ def main():
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
                                                             REGS=cfg["regs"],
                                                             PAIRS=cfg["pairs"], PEEL=cfg["peel"],
-                                                            AHEAD=cfg["ahead"]), 4, 1)
+                                                            AHEAD=cfg["ahead"], PIPE=cfg["pipe"]), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             cfg = K._dq_hopper_cfg(args.d, causal)

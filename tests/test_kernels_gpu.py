@@ -343,6 +343,36 @@ def test_dkdv_hopper_loop_variants():
                 assert between == [0.0, 0.0, 0.0], between
 
 
+def test_dkdv_hopper_pipe():
+    """The Gluon dK/dV kernel with each tile's dK MMA issued under the next tile's exponentials (TUNE
+    dkdv_hopper_pipe, two warpgroups, dense batches) against its plain loop on the same saved tensors: the same
+    operations in the same order, so dQ, dK and dV are bit-identical. The full mask (the pipeline's case), with a
+    ring of 4 stages too, and the causal mask (the diagonal's peel and pairs before and in the pipeline)."""
+    import triton
+    if not triton.__version__.startswith("3.6"):
+        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    for (B, Hq, Hkv, N, D, causal), opts in (((1, 4, 4, 1024, 128, False), {}),
+                                             ((1, 4, 4, 1024, 128, False), dict(dkdv_hopper_stages=4)),
+                                             ((2, 4, 4, 2048, 128, True), {})):
+        q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=17)
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        f = R.forward(q, k, v, **kw)
+
+        def run(pipe):
+            K.TUNE.update(dkdv_hopper_pipe=pipe, **opts)
+            try:
+                return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+            finally:
+                K.TUNE.clear()
+
+        plain, piped = run(False), run(True)
+        between = [_rel(a, b) for a, b in zip(piped, plain)]
+        print("DKDV PIPE", (B, Hq, Hkv, N, D, causal), opts, "between", between)
+        assert all(torch.isfinite(t).all() for t in piped)
+        assert all(torch.equal(a, b) for a, b in zip(piped, plain)), between
+
+
 def test_dq_hopper_pipe():
     """The Gluon dQ kernel's pipelined second pass (TUNE dq_hopper_pipe: each tile's dQ MMA issued with the next
     tile's S and dP) against its plain loop on the same saved tensors: dS and its tile scales are the same values,

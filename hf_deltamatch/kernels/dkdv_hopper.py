@@ -84,23 +84,30 @@ def _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk):
 
 @gluon.jit
 def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
-          bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv, masked,
-          CAUSAL: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr):
+          bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv, masked, s_prev,
+          CAUSAL: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr,
+          PIPE: gl.constexpr):
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
     AHEAD: sq_t, sdo_t, sds (the tile's q8, dO8 and dS scales) were loaded a tile ahead by the caller; else they
     are loaded here, under the MMAs. RESCALE_DV False: the tile shares its dO8 quantization tile (128 rows) with
-    the one this warpgroup did before it, so dv's rescale would multiply by c / c."""
+    the one this warpgroup did before it, so dv's rescale would multiply by c / c. PIPE: dp_acc comes in holding
+    the previous tile's dS^T / sds (zeros before the first tile), whose dK MMA (with q8^T of stage s_prev) is
+    issued after this tile's S^T and dP^T and runs under its exponentials; this tile's goes back the same way."""
     s_layout: gl.constexpr = s_acc.type.layout
     a_layout: gl.constexpr = fp8_a_layout(dk.type.layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    if PIPE:
+        ds8_prev = fp8_operand(dp_acc, a_layout)
     s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
     dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+    if PIPE:  # dk is in the previous tile's units (c_dk) already
+        dk = warpgroup_mma(ds8_prev, qt_smem.index(s_prev).permute((1, 0)), dk, is_async=True)
     if not AHEAD:
         row = bh * N + m0
         sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
         sdo_t = gl.load(SDO + row)
         sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
-    s_acc = warpgroup_mma_wait(1, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
+    s_acc = warpgroup_mma_wait(1 + PIPE, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
     # LSE2 and delta came with the tile (TMA) and are read where needed: per-thread loads of them, held
     # across the MMA waits, cost 32 registers and spills (dK/dV 1.83 -> 1.55 ms, H200 run 0023)
     lse2 = lse_smem.index(s).load(col_layout)
@@ -120,34 +127,43 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     c_dv = cv
     p8 = fp8_operand(p256, a_layout)
     dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
-    dp_acc = warpgroup_mma_wait(1, deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
+    dp_acc = warpgroup_mma_wait(1 + PIPE, deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
     ck = sds * sq_t
-    dk = dk * (c_dk / ck)
-    c_dk = ck
+    if not PIPE:
+        dk = dk * (c_dk / ck)
+        c_dk = ck
     r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
     delta = delta_smem.index(s).load(col_layout)
     if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
         ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
     else:
         ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
-    ds8 = fp8_operand(ds_r, a_layout)
-    dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
-    # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
-    # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
-    # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
-    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    if PIPE:  # dS^T / sds goes to the next tile in fp32: an fp8 tensor across the back edge costs byte packing
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        dk = dk * (c_dk / ck)
+        c_dk = ck
+        dp_acc = ds_r
+    else:
+        ds8 = fp8_operand(ds_r, a_layout)
+        dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+        # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
+        # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
+        # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
+        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return s_acc, dp_acc, dk, dv, c_dk, c_dv
 
 
 @gluon.jit
 def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n, sdo_n,
           sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col, first,
-          s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-          FOLD: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr, AHEAD: gl.constexpr, DIAG: gl.constexpr):
+          s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS: gl.constexpr, STAGES: gl.constexpr,
+          CAUSAL: gl.constexpr, FOLD: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr, AHEAD: gl.constexpr,
+          DIAG: gl.constexpr, PIPE: gl.constexpr):
     """The ring's t-th query tile (tile i of the group's head g) through one warpgroup, its stage released after.
     AHEAD: the tile's scales were loaded a tile ahead (sq_n, sdo_n, sds_n), and the next tile's are loaded here;
     returns (g, i) of the next tile. DIAG: 0 the tile lies below the diagonal, 1 it crosses it, 2 a runtime test
-    (two warpgroups: i < 2; three: i == first, and the tiles before `first` skipped)."""
+    (two warpgroups: i < 2; three: i == first, and the tiles before `first` skipped). PIPE (two warpgroups): the
+    stage released is the previous tile's (s_prev), whose dK MMA this tile issues; returns this tile's stage."""
     if not AHEAD:
         g = 0
         i = t
@@ -165,6 +181,8 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     m0 = lo + i * BLOCK_M
     s = t % STAGES
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+    if PIPE:  # before the first tile, its own stage: a dK MMA of zeros adds nothing (and reads finite values)
+        s_prev = gl.where(t > 0, s_prev, s)
     if WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
         if DIAG == 2:
             masked = i < 2
@@ -173,20 +191,24 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
-            masked, CAUSAL, FOLD, AHEAD, RESCALE_DV)
+            masked, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, PIPE)
     elif DIAG == 2:
         if i >= first:  # the diagonal tile is this warpgroup's first
             s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
-                i == first, CAUSAL, FOLD, AHEAD, RESCALE_DV)
+                i == first, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, False)
     else:  # three warpgroups, peeled: the caller skipped the tiles before `first`
         s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
-            DIAG == 1, CAUSAL, FOLD, AHEAD, RESCALE_DV)
-    mbarrier.arrive(empty.index(s))  # this stage's tiles are read
-    return s_acc, dp_acc, dk, dv, c_dk, c_dv, g1, i1, sq_n, sdo_n, sds_n
+            DIAG == 1, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, False)
+    if PIPE:
+        if t > 0:
+            mbarrier.arrive(empty.index(s_prev))  # the previous tile's dK MMA is done with its q8^T
+    else:
+        mbarrier.arrive(empty.index(s))  # this stage's tiles are read
+    return s_acc, dp_acc, dk, dv, c_dk, c_dv, g1, i1, sq_n, sdo_n, sds_n, s
 
 
 @gluon.jit
@@ -194,7 +216,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                    SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    key_end, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
-                   PAIRS: gl.constexpr, PEEL: gl.constexpr, AHEAD: gl.constexpr):
+                   PAIRS: gl.constexpr, PEEL: gl.constexpr, AHEAD: gl.constexpr, PIPE: gl.constexpr):
+    gl.static_assert(WGS == 2 or not PIPE, "PIPE: two warpgroups only")
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     kb = n0 + WG * 64  # this warpgroup's first key
@@ -248,13 +271,14 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     # tile: _tile's RESCALE_DV)
     DIAG: gl.constexpr = 0 if PEEL else 2
     t0 = 0
+    s_prev = 0  # PIPE: the ring stage of the tile whose dK MMA is pending
     if PEEL and WGS == 2:
         for u in gl.static_range(2):  # the second tile skips dv's rescale as in a pair
-            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, u, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
-                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS,
-                u == 0 or not PAIRS, AHEAD, 1)
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD, WGS,
+                u == 0 or not PAIRS, AHEAD, 1, PIPE)
         t0 = 2
     elif PEEL:  # first <= n_q (first == n_q: a warpgroup past the keys)
         _release(ready, empty, 0, first, STAGES)
@@ -263,27 +287,32 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             i = gl.minimum(first, n_q - 1)
             sq_n, sdo_n, sds_n = _tile_scales(SQ_G, SDO_G, DSS_G, g, i, N, dss_tq, dss_tk)
         if first < n_q:
-            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, first, g, i,
                 sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
-                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True,
-                AHEAD, 1)
+                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD,
+                WGS, True, AHEAD, 1, False)
             t0 = first + 1
     if PAIRS:
         for t2 in range(t0 // 2, GROUPS * n_q // 2):
             for u in gl.static_range(2):
-                s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+                s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                     k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + u,
                     g, i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N,
-                    dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD,
-                    WGS, u == 0, AHEAD, DIAG)
+                    dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL,
+                    FOLD, WGS, u == 0, AHEAD, DIAG, PIPE)
     else:
         for t in range(t0, GROUPS * n_q):
-            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n = _step(
+            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
-                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, GROUPS, STAGES, CAUSAL, FOLD, WGS, True, AHEAD,
-                DIAG)
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD, WGS, True,
+                AHEAD, DIAG, PIPE)
+    if PIPE:  # the last tile's dK MMA
+        ds8 = fp8_operand(dp_acc, fp8_a_layout(d_layout))
+        dk = warpgroup_mma(ds8, qt_smem.index(s_prev).permute((1, 0)), dk, is_async=True)
+        dk = warpgroup_mma_wait(0, deps=(dk, ))
+        mbarrier.arrive(empty.index(s_prev))
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
@@ -304,7 +333,7 @@ def _bwd_dkdv_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
     VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr, PAIRS: gl.constexpr, PEEL: gl.constexpr,
-    AHEAD: gl.constexpr,
+    AHEAD: gl.constexpr, PIPE: gl.constexpr,
 ):
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
     # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
@@ -352,11 +381,11 @@ def _bwd_dkdv_hopper_kernel(
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD)),
+                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD)),
+                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -375,15 +404,15 @@ def _bwd_dkdv_hopper_kernel(
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD)),
+                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f1, dp_f1, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD)),
+                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f2, dp_f2, softmax_scale, bh0, n0, lo, n_q, N,
                               dss_tq, dss_tk, out_row, base + length, 2, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD)),
+                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -392,13 +421,13 @@ def _bwd_dkdv_hopper_kernel(
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
                 dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, pairs, peel, ahead,
-                segments=None):
+                pipe=False, segments=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's tiles
     before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile ahead, required
-    with GQA). segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded
-    layout."""
+    with GQA; `pipe`: each tile's dK MMA issued with the next tile's S^T and dP^T, two warpgroups only).
+    segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (sq, sq)  # unread without VARLEN
@@ -409,5 +438,6 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead), num_warps=4,
+        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead), PIPE=bool(pipe),
+        num_warps=4,
     )

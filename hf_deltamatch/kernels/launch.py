@@ -20,7 +20,7 @@ from ._fp8 import INTERPRET
 # and delta, as _dkdv_fold_ds_scale), "dkdv_hopper_pairs": True / False (see DKDV_HOPPER_PAIRS),
 # "dq_hopper": True / False for the Gluon dQ kernel (see _dq_hopper),
 # "dq_hopper_stages": its ring of k/v buffers, "dq_hopper_pingpong": 0, 1, 2 (see DQ_HOPPER_PINGPONG),
-# "dq_hopper_pipe": True / False (see DQ_HOPPER_PIPE_FULL),
+# "dq_hopper_pipe": True / False (see DQ_HOPPER_PIPE_FULL), "dkdv_hopper_pipe": True / False (DKDV_HOPPER_PIPE),
 # "fwd_hopper" / "fwd_hopper_stages": the same for the forward,
 # "fwd_hopper_wgs" / "dkdv_hopper_wgs": (MMA warpgroups, registers) of the Gluon forward / dK/dV kernel, or
 # {head dim: that} (see FWD_HOPPER_WARPGROUPS),
@@ -31,7 +31,8 @@ TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dkdv_hopper_pairs", "dkdv_hopper_peel", "dkdv_hopper_ahead", "dq_hopper",
               "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs", "dkdv_hopper_wgs",
-              "hopper_packed", "dq_hopper_pingpong", "dq_hopper_pipe"}
+              "hopper_packed", "dq_hopper_pingpong", "dq_hopper_pipe",
+              "dkdv_hopper_pipe"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
@@ -223,6 +224,9 @@ DKDV_HOPPER_PAIRS = True
 # 1.070/1.072 -> 1.095/1.097 (run 1241). The scales a tile ahead always with GQA; at D=128 without GQA slower:
 # 1.408 -> 1.511 ms with single tiles (run 0744), 1.375 -> 1.421-1.470 with pairs (run 1217).
 DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
+# With two warpgroups on dense batches, each tile's dK MMA issued with the next tile's S^T and dP^T MMAs, to run
+# under that tile's exponentials (as DQ_HOPPER_PIPE_FULL; the same dK, dV). Not timed on the H200 yet.
+DKDV_HOPPER_PIPE = False
 DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
@@ -353,9 +357,14 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
     peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n)
     pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2
     ahead = groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD[n] and not packed))
+    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE))
+    if pipe and (n != 2 or packed):
+        if "dkdv_hopper_pipe" in TUNE:
+            raise ValueError("dkdv_hopper_pipe: two MMA warpgroups (dkdv_hopper_wgs) on dense batches only")
+        pipe = False
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)), pairs=pairs, peel=peel, ahead=ahead,
-                **wgs)
+                pipe=pipe, **wgs)
 
 
 def _fwd_hopper_cfg(d: int) -> dict:
