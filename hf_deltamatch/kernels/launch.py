@@ -224,9 +224,12 @@ DKDV_HOPPER_PAIRS = True
 # 1.070/1.072 -> 1.095/1.097 (run 1241). The scales a tile ahead always with GQA; at D=128 without GQA slower:
 # 1.408 -> 1.511 ms with single tiles (run 0744), 1.375 -> 1.421-1.470 with pairs (run 1217).
 DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
-# With two warpgroups on dense batches, each tile's dK MMA issued with the next tile's S^T and dP^T MMAs, to run
-# under that tile's exponentials (as DQ_HOPPER_PIPE_FULL; the same dK, dV). Not timed on the H200 yet.
-DKDV_HOPPER_PIPE = False
+# With two warpgroups on dense batches without GQA, each tile's dK MMA issued with the next tile's S^T and dP^T
+# MMAs, to run under that tile's exponentials (as DQ_HOPPER_PIPE_FULL; dQ, dK, dV bit-identical). H200, N=8192,
+# dK/dV kernel ms, two same-run readings each: full mask 2.655/2.674 -> 2.390/2.344 (run 1403; 2.508/2.515 with 4
+# stages), causal 1.409/1.360 -> 1.281/1.282 (run 1404, with 40 B of spills); GQA 1.369/1.351 -> 1.392/1.393 (56 B
+# of spills), so not with GQA.
+DKDV_HOPPER_PIPE = True
 DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
@@ -357,7 +360,7 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
     peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n)
     pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2
     ahead = groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD[n] and not packed))
-    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE))
+    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE and groups == 1))
     if pipe and (n != 2 or packed):
         if "dkdv_hopper_pipe" in TUNE:
             raise ValueError("dkdv_hopper_pipe: two MMA warpgroups (dkdv_hopper_wgs) on dense batches only")
