@@ -538,6 +538,27 @@ def test_dkdv_hopper_peel_and_ahead_by_case():
         K.TUNE.clear()
 
 
+def test_dkdv_hopper_pipe_by_case():
+    """The dK/dV kernel's pipelined dK MMA (DKDV_HOPPER_PIPE): by default with two warpgroups (D=128) on dense
+    batches without GQA, causal or not; never with three warpgroups (D=64) or on packed batches, where asking for
+    it through TUNE is an error; TUNE may switch it on with GQA."""
+    from hf_deltamatch.kernels import launch
+    for d, causal, groups, packed in ((128, True, 1, False), (128, False, 1, False), (128, True, 4, False),
+                                      (128, True, 1, True), (64, True, 1, False), (64, False, 1, False)):
+        cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=groups, packed=packed)
+        want = launch.DKDV_HOPPER_PIPE and cfg["warpgroups"] == 2 and groups == 1 and not packed
+        assert cfg["pipe"] == want, (d, causal, groups, packed)
+    K.TUNE.update(dkdv_hopper_pipe=True)
+    try:
+        assert launch._dkdv_hopper_cfg(128, causal=True, groups=4, packed=False)["pipe"]
+        with pytest.raises(ValueError, match="dkdv_hopper_pipe"):
+            launch._dkdv_hopper_cfg(64, causal=True, groups=1, packed=False)
+        with pytest.raises(ValueError, match="dkdv_hopper_pipe"):
+            launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=True)
+    finally:
+        K.TUNE.clear()
+
+
 def test_dq_hopper_pipe_option():
     """The dQ kernel's pipelined second pass: by head dim on the full mask only (DQ_HOPPER_PIPE_FULL), or TUNE
     dq_hopper_pipe, which refuses ping-pong mode 2 (whose turns would then hold each dQ MMA a tile late)."""

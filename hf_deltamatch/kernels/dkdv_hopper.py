@@ -16,7 +16,9 @@ tile then never overlaps an MMA. Here
     a warpgroup's causal query tiles start at its own diagonal: the ones before it releases unread);
   - inside a warpgroup the wgmmas are asynchronous with explicit waits: dP^T's MMA runs under exp2(S^T) and
     dV's under dS; dK's is waited for at the end of the tile (left in flight into the next tile, ptxas
-    serializes every wgmma of the kernel), when the other warpgroup may have MMAs to issue.
+    serializes every wgmma of the kernel), or with PIPE (two warpgroups, no GQA: launch.DKDV_HOPPER_PIPE) issued
+    by the next tile after its S^T and dP^T, from dS^T / sds carried over in fp32, so that it runs under that
+    tile's exponentials.
 Per query tile of 64 rows (stage s), in one warpgroup (keys kb .. kb+63):
     S^T = k8[kb] q8^T,  dP^T = v8[kb] dO8^T                  (async, fresh accumulators)
     P^T * 256 = exp2(S^T * sk sq scale log2e - LSE2)         (LSE2 from the dQ kernel, 8 subtracted)
