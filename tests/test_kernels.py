@@ -539,22 +539,23 @@ def test_dkdv_hopper_peel_and_ahead_by_case():
 
 
 def test_dkdv_hopper_pipe_by_case():
-    """The dK/dV kernel's pipelined dK MMA (DKDV_HOPPER_PIPE): by default with two warpgroups (D=128) on dense
-    batches without GQA, causal or not; never with three warpgroups (D=64) or on packed batches, where asking for
-    it through TUNE is an error; TUNE may switch it on with GQA."""
+    """The dK/dV kernel's pipelined dK MMA (DKDV_HOPPER_PIPE, by MMA warpgroups): by default with two warpgroups
+    (D=128) on dense batches without GQA, causal or not; never on packed batches, nor with three warpgroups (D=64)
+    and GQA, where asking for it through TUNE is an error; TUNE may switch it on with GQA (two warpgroups) and with
+    three warpgroups without GQA."""
     from hf_deltamatch.kernels import launch
     for d, causal, groups, packed in ((128, True, 1, False), (128, False, 1, False), (128, True, 4, False),
                                       (128, True, 1, True), (64, True, 1, False), (64, False, 1, False)):
         cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=groups, packed=packed)
-        want = launch.DKDV_HOPPER_PIPE and cfg["warpgroups"] == 2 and groups == 1 and not packed
+        want = launch.DKDV_HOPPER_PIPE[cfg["warpgroups"]] and groups == 1 and not packed
         assert cfg["pipe"] == want, (d, causal, groups, packed)
     K.TUNE.update(dkdv_hopper_pipe=True)
     try:
         assert launch._dkdv_hopper_cfg(128, causal=True, groups=4, packed=False)["pipe"]
-        with pytest.raises(ValueError, match="dkdv_hopper_pipe"):
-            launch._dkdv_hopper_cfg(64, causal=True, groups=1, packed=False)
-        with pytest.raises(ValueError, match="dkdv_hopper_pipe"):
-            launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=True)
+        assert launch._dkdv_hopper_cfg(64, causal=True, groups=1, packed=False)["pipe"]
+        for d, groups, packed in ((64, 2, False), (128, 1, True), (64, 1, True)):
+            with pytest.raises(ValueError, match="dkdv_hopper_pipe"):
+                launch._dkdv_hopper_cfg(d, causal=True, groups=groups, packed=packed)
     finally:
         K.TUNE.clear()
 

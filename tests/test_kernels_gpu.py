@@ -346,14 +346,19 @@ def test_dkdv_hopper_loop_variants():
 def test_dkdv_hopper_pipe():
     """The Gluon dK/dV kernel with each tile's dK MMA issued under the next tile's exponentials (TUNE
     dkdv_hopper_pipe, two warpgroups, dense batches) against its plain loop on the same saved tensors: the same
-    operations in the same order, so dQ, dK and dV are bit-identical. The full mask (the pipeline's case), with a
-    ring of 4 stages too, and the causal mask (the diagonal's peel and pairs before and in the pipeline)."""
+    operations in the same order, so dQ, dK and dV are bit-identical. Two warpgroups (D=128): the full mask, with
+    a ring of 4 stages too, and the causal mask (the diagonal's peel and pairs before and in the pipeline). Three
+    (D=64, one head per group): causal with and without the peel (a warpgroup's tiles before its diagonal skipped
+    before its first), the full mask; N=1280 leaves the last program's third warpgroup past the keys."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    three = dict(dkdv_hopper_wgs=(3, 160))
     for (B, Hq, Hkv, N, D, causal), opts in (((1, 4, 4, 1024, 128, False), {}),
                                              ((1, 4, 4, 1024, 128, False), dict(dkdv_hopper_stages=4)),
-                                             ((2, 4, 4, 2048, 128, True), {})):
+                                             ((2, 4, 4, 2048, 128, True), {}), ((2, 4, 4, 1280, 64, True), three),
+                                             ((2, 4, 4, 1280, 64, True), dict(dkdv_hopper_peel=False, **three)),
+                                             ((1, 4, 4, 1280, 64, False), three)):
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=17)
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())

@@ -164,8 +164,8 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     """The ring's t-th query tile (tile i of the group's head g) through one warpgroup, its stage released after.
     AHEAD: the tile's scales were loaded a tile ahead (sq_n, sdo_n, sds_n), and the next tile's are loaded here;
     returns (g, i) of the next tile. DIAG: 0 the tile lies below the diagonal, 1 it crosses it, 2 a runtime test
-    (two warpgroups: i < 2; three: i == first, and the tiles before `first` skipped). PIPE (two warpgroups): the
-    stage released is the previous tile's (s_prev), whose dK MMA this tile issues; returns this tile's stage."""
+    (two warpgroups: i < 2; three: i == first, and the tiles before `first` skipped). PIPE: the stage released is
+    the previous tile's (s_prev), whose dK MMA this tile issues; returns the stage whose dK MMA is pending."""
     if not AHEAD:
         g = 0
         i = t
@@ -183,8 +183,14 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     m0 = lo + i * BLOCK_M
     s = t % STAGES
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    if PIPE:  # before the first tile, its own stage: a dK MMA of zeros adds nothing (and reads finite values)
-        s_prev = gl.where(t > 0, s_prev, s)
+    # PIPE: this warpgroup's first tile is t = first (0 with two warpgroups; with three and one head, the tiles
+    # before it are skipped). There it takes its own stage: a dK MMA of zeros adds nothing (and reads finite values)
+    if WGS == 2:
+        has_prev = t > 0
+    else:
+        has_prev = t > first
+    if PIPE:
+        s_prev = gl.where(has_prev, s_prev, s)
     if WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
         if DIAG == 2:
             masked = i < 2
@@ -199,18 +205,35 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
-                i == first, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, False)
+                i == first, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, PIPE)
     else:  # three warpgroups, peeled: the caller skipped the tiles before `first`
         s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
-            DIAG == 1, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, False)
+            DIAG == 1, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, PIPE)
+    s_next = s
     if PIPE:
-        if t > 0:
+        if WGS != 2 and DIAG == 2:  # a skipped tile (i < first) releases its own stage, the pending one waits on
+            if i >= first:
+                if has_prev:
+                    mbarrier.arrive(empty.index(s_prev))
+            else:
+                mbarrier.arrive(empty.index(s))
+            s_next = gl.where(i >= first, s, s_prev)
+        elif has_prev:
             mbarrier.arrive(empty.index(s_prev))  # the previous tile's dK MMA is done with its q8^T
     else:
         mbarrier.arrive(empty.index(s))  # this stage's tiles are read
-    return s_acc, dp_acc, dk, dv, c_dk, c_dv, g1, i1, sq_n, sdo_n, sds_n, s
+    return s_acc, dp_acc, dk, dv, c_dk, c_dv, g1, i1, sq_n, sdo_n, sds_n, s_next
+
+
+@gluon.jit
+def _last_dk(ds, dk, qt_smem, empty, s, d_layout: gl.constexpr):
+    """PIPE: the last tile's dK MMA, from its dS^T / sds (ds) and its stage s's q8^T; the stage released after."""
+    dk = warpgroup_mma(fp8_operand(ds, fp8_a_layout(d_layout)), qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+    dk = warpgroup_mma_wait(0, deps=(dk, ))
+    mbarrier.arrive(empty.index(s))
+    return dk
 
 
 @gluon.jit
@@ -219,7 +242,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                    key_end, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
                    PAIRS: gl.constexpr, PEEL: gl.constexpr, AHEAD: gl.constexpr, PIPE: gl.constexpr):
-    gl.static_assert(WGS == 2 or not PIPE, "PIPE: two warpgroups only")
+    gl.static_assert(WGS == 2 or GROUPS == 1 or not PIPE, "PIPE with three warpgroups: one head per group only")
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     kb = n0 + WG * 64  # this warpgroup's first key
@@ -293,7 +316,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, first, g, i,
                 sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
                 dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD,
-                WGS, True, AHEAD, 1, False)
+                WGS, True, AHEAD, 1, PIPE)
             t0 = first + 1
     if PAIRS:
         for t2 in range(t0 // 2, GROUPS * n_q // 2):
@@ -310,11 +333,11 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
                 dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD, WGS, True,
                 AHEAD, DIAG, PIPE)
-    if PIPE:  # the last tile's dK MMA
-        ds8 = fp8_operand(dp_acc, fp8_a_layout(d_layout))
-        dk = warpgroup_mma(ds8, qt_smem.index(s_prev).permute((1, 0)), dk, is_async=True)
-        dk = warpgroup_mma_wait(0, deps=(dk, ))
-        mbarrier.arrive(empty.index(s_prev))
+    if PIPE:  # the last tile's dK MMA (none for a warpgroup past the keys)
+        if WGS == 2:
+            dk = _last_dk(dp_acc, dk, qt_smem, empty, s_prev, d_layout)
+        elif first < n_q:
+            dk = _last_dk(dp_acc, dk, qt_smem, empty, s_prev, d_layout)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))

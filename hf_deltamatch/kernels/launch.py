@@ -228,8 +228,9 @@ DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
 # MMAs, to run under that tile's exponentials (as DQ_HOPPER_PIPE_FULL; dQ, dK, dV bit-identical). H200, N=8192,
 # dK/dV kernel ms, two same-run readings each: full mask 2.655/2.674 -> 2.390/2.344 (run 1403; 2.508/2.515 with 4
 # stages), causal 1.409/1.360 -> 1.281/1.282 (run 1404, with 40 B of spills); GQA 1.369/1.351 -> 1.392/1.393 (56 B
-# of spills), so not with GQA.
-DKDV_HOPPER_PIPE = True
+# of spills), so not with GQA. With three warpgroups (D=64; one head per group only: a warpgroup's skipped tiles
+# would otherwise come between a pending dK MMA and the next tile, and the ring could stall) prepared, not timed.
+DKDV_HOPPER_PIPE = {2: True, 3: False}  # by MMA warpgroups
 DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
@@ -360,10 +361,11 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
     peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n)
     pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2
     ahead = groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD[n] and not packed))
-    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE and groups == 1))
-    if pipe and (n != 2 or packed):
+    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE[n] and groups == 1))
+    if pipe and (packed or (n == 3 and groups > 1)):
         if "dkdv_hopper_pipe" in TUNE:
-            raise ValueError("dkdv_hopper_pipe: two MMA warpgroups (dkdv_hopper_wgs) on dense batches only")
+            raise ValueError("dkdv_hopper_pipe: dense batches only, and with three MMA warpgroups (dkdv_hopper_wgs) "
+                             "one query head per KV head")
         pipe = False
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)), pairs=pairs, peel=peel, ahead=ahead,
