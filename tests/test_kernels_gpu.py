@@ -321,7 +321,8 @@ def test_dkdv_hopper_loop_variants():
         ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
 
         def run(variant):
-            K.TUNE.update({"dkdv_hopper_pairs": False, "dkdv_hopper_peel": False, "dkdv_hopper_wgs": wgs, **variant})
+            K.TUNE.update({"dkdv_hopper_pairs": False, "dkdv_hopper_peel": False, "dkdv_hopper_wgs": wgs,
+                           "dkdv_hopper_pipe": False, **variant})  # the pipelined dK MMA: test_dkdv_hopper_pipe
             try:
                 return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
