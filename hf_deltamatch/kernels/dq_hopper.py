@@ -128,6 +128,19 @@ def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, 
 
 
 @gluon.jit
+def _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr):
+    """Key tile j's dS = P (dP dpf - delta), its row sums (ROW_SUMS: the invariant) and its tile scale, stored for
+    the dK/dV kernel (this warpgroup's tile)."""
+    ds = p * (dp_acc * dpf - delta[:, None])
+    if ROW_SUMS:
+        rs += gl.sum(ds, 1)
+        ra += gl.sum(gl.abs(ds), 1)
+    sds = tile_scale(gl.max(gl.abs(ds), None), FMAX, POW2)
+    gl.store(DSS + dss_at + j, sds)
+    return ds, rs, ra, sds
+
+
+@gluon.jit
 def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
              lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, MASKED: gl.constexpr,
              STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr, WG: gl.constexpr,
@@ -139,12 +152,7 @@ def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, S
     s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
         q_sub, do_sub, k_smem, v_smem, ready, n_k + j, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows,
         SK, SV, kv_row, MASKED, False, STAGES, WG, PINGPONG)
-    ds = p * (dp_acc * dpf - delta[:, None])
-    if ROW_SUMS:
-        rs += gl.sum(ds, 1)
-        ra += gl.sum(gl.abs(ds), 1)
-    sds = tile_scale(gl.max(gl.abs(ds), None), FMAX, POW2)
-    gl.store(DSS + dss_at + j, sds)  # this warpgroup's tile, for the dK/dV kernel
+    ds, rs, ra, sds = _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX, POW2, ROW_SUMS)
     c = sds * c
     dq = dq * (c_dq / c)
     c_dq = c
@@ -182,12 +190,7 @@ def _dq_tile_pipe(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, j, n_
         pass_turn(WG)
     s_acc, p, dp_acc, dpf, sk_t, sv_t = _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
                                               kv_row, MASKED, True, PREV)
-    ds = p * (dp_acc * dpf - delta[:, None])
-    if ROW_SUMS:
-        rs += gl.sum(ds, 1)
-        ra += gl.sum(gl.abs(ds), 1)
-    sds = tile_scale(gl.max(gl.abs(ds), None), FMAX, POW2)
-    gl.store(DSS + dss_at + j, sds)
+    ds, rs, ra, sds = _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX, POW2, ROW_SUMS)
     if PREV:  # the previous tile's dQ MMA: done with its ds8 registers (ptxas tracks those) and its ring stage
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         mbarrier.arrive(empty.index(s_prev))
