@@ -381,12 +381,11 @@ def test_dkdv_hopper_pipe():
 
 def test_dq_hopper_pipe():
     """The Gluon dQ kernel's pipelined second pass (TUNE dq_hopper_pipe: each tile's dQ MMA issued with the next
-    tile's S and dP) against its plain loop on the same saved tensors: dS and its tile scales are the same values,
-    so dK and dV are bit-identical; dQ is bit-identical on the full mask (the same tile order), and under causal
-    masks (the diagonal tile first) within 3e-3 and as close to the reference backward as the plain loop: the
-    order of the tiles' adds into dQ's accumulator changes QGMMA's reduced-precision sums (9e-4 at D=128, run
-    1324). Dense causal MHA and GQA, the full mask, D 128 (with and without the ping-pong) and 64, and a
-    packed batch. The differences are printed."""
+    tile's S and dP; under causal masks a dQ MMA of zeros on the first tile) against its plain loop on the same
+    saved tensors: the same tiles in the same order, the same rescales between them, so dQ, dK and dV are
+    bit-identical. Dense causal MHA and GQA, the full mask, D 128 (with and without the ping-pong) and 64 (and 4
+    ring stages), one key tile (only the MMA of zeros and the diagonal's), and packed batches (sequences of one
+    key tile too)."""
     import triton
     if not triton.__version__.startswith("3.6"):
         pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
@@ -394,7 +393,8 @@ def test_dq_hopper_pipe():
     cases = [((2, 4, 4, 2048, 128, True), None, {}), ((2, 4, 2, 2048, 128, True), None, {}),
              ((1, 4, 4, 1024, 128, False), None, {}), ((2, 4, 4, 2048, 128, True), None, dict(dq_hopper_pingpong=0)),
              ((2, 4, 4, 1280, 64, True), None, {}), ((1, 4, 4, 1024, 64, False), None, {}),
-             ((1, 4, 2, 4096, 128, True), cu, {}), ((1, 4, 4, 4096, 64, True), cu, {})]
+             ((1, 4, 2, 4096, 128, True), cu, {}), ((1, 4, 4, 4096, 64, True), cu, {}),
+             ((2, 4, 4, 1280, 64, True), None, dict(dq_hopper_stages=4)), ((1, 2, 2, 128, 128, True), None, {})]
     for (B, Hq, Hkv, N, D, causal), cu_l, opts in cases:
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=13)
         cu_t = None if cu_l is None else torch.tensor(cu_l, dtype=torch.int32, device="cuda")
@@ -416,11 +416,8 @@ def test_dq_hopper_pipe():
         to_ref = [[_rel(a[:, :, :end], b[:, :, :end]) for a, b in zip(g, ref)] for g in (plain, piped)]
         print("DQ PIPE", (B, Hq, Hkv, N, D, causal), cu_l, opts, "between", between, "vs reference: plain, pipe",
               to_ref)
-        assert torch.equal(piped[1], plain[1]) and torch.equal(piped[2], plain[2]), between
-        if causal:
-            assert between[0] < 3e-3 and to_ref[1][0] < 1.05 * to_ref[0][0] + 1e-5, (between, to_ref)
-        else:
-            assert torch.equal(piped[0], plain[0]), between
+        assert all(torch.isfinite(t).all() for t in piped)
+        assert all(torch.equal(a, b) for a, b in zip(piped, plain)), between
 
 
 @pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240))),

@@ -18,7 +18,7 @@ With PINGPONG (on at D=128, launch.DQ_HOPPER_PINGPONG) the two warpgroups take t
 (FlashAttention-3's ping-pong through named barriers, _gluon.wait_turn), so one's exponentials overlap the other's
 MMAs more often. With PIPE (on the full mask, launch.DQ_HOPPER_PIPE_FULL) pass 2 is software-pipelined: tile j's
 dQ MMA is issued after tile j+1's S and dP and runs under its exponentials (_dq_tile_pipe); under a causal mask the
-loader then brings the diagonal tile first (ROTATE).
+first tile issues a dQ MMA of zeros instead, so that the diagonal tile can stay last, as in the plain loop.
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dq_kernel` (tests/test_kernels_gpu.py).
 """
 
@@ -34,16 +34,12 @@ from ._gluon import (
 
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
-            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr,
-            ROTATE: gl.constexpr):
+            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr):
     mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
     tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
     for u in range(2 * n_k):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
         j = u % n_k
-        if ROTATE:  # pass 2 from the last key tile (the causal diagonal, PIPE) on: n_k - 1, 0, 1, ..
-            if u >= n_k:
-                j = (u - 1) % n_k
         s = u % STAGES
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
@@ -178,22 +174,29 @@ def _dq_tile_pipe(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, j, n_
     tile's call, which issues it (from ds, sds_prev, stage s_prev; PREV) with its own S and dP, so that it runs
     under that tile's exponentials rather than the warpgroup waiting on it. Returns this tile's dS in fp32 (in
     dP's accumulator registers, which the next tile's dP MMA takes over): an fp8 tensor carried across the loop's
-    back edge costs ~200 byte unpacking and packing instructions per tile."""
+    back edge costs ~200 byte unpacking and packing instructions per tile. PREV: 0 no pending MMA (the first
+    tile), 1 one, 2 one from t > 0 and at t = 0 a dQ MMA of zeros (ds = 0) on this tile's own stage, which holds
+    finite values and is released by the next tile: one loop from the first tile on."""
     a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
     c = sk_t  # times sds below
     if PREV:
         ds8 = fp8_operand(ds * (1.0 / sds_prev), a_layout)
     s_acc, dp_acc, s = _issue_s_dp(q_sub, do_sub, k_smem, v_smem, ready, n_k + t, s_acc, ds, STAGES, WG, PINGPONG)
+    if PREV == 2:
+        s_prev = gl.where(t > 0, s_prev, s)
     if PREV:
         dq = warpgroup_mma(ds8, kt_smem.index(s_prev).permute((1, 0)), dq, is_async=True)
     if PINGPONG:
         pass_turn(WG)
     s_acc, p, dp_acc, dpf, sk_t, sv_t = _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
-                                              kv_row, MASKED, True, PREV)
+                                              kv_row, MASKED, True, PREV != 0)
     ds, rs, ra, sds = _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX, POW2, ROW_SUMS)
     if PREV:  # the previous tile's dQ MMA: done with its ds8 registers (ptxas tracks those) and its ring stage
         dq = warpgroup_mma_wait(0, deps=(dq, ))
-        mbarrier.arrive(empty.index(s_prev))
+        if PREV == 1:
+            mbarrier.arrive(empty.index(s_prev))
+        elif t > 0:
+            mbarrier.arrive(empty.index(s_prev))
     c = sds * c
     dq = dq * (c_dq / c)  # into this tile's units, for its dQ MMA in the next call
     c_dq = c
@@ -242,20 +245,31 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
     c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile)
     dss_at = dss_row * dss_tk + dss_col0
-    if PIPE:  # pass 2 pipelined: the diagonal tile first (the loader's order), then 0 .. n_plain - 1
-        first = n_plain if CAUSAL else 0
-        sk_t = gl.load(SK + kv_row + first * BLOCK_N)  # pass 1 loaded key tile 0's
-        sv_t = gl.load(SV + kv_row + first * BLOCK_N)
+    if PIPE and CAUSAL:  # pass 2 pipelined, in the plain loop's order: a dQ MMA of zeros first, the diagonal last
+        ds = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        sds = c_dq
+        s_prev = 0
+        for t in range(n_plain):
+            s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, t, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
+                dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev, False, STAGES, FMAX,
+                POW2, ROW_SUMS, WG, PINGPONG, 2)
         s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
-            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, 0, first, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, c_dq, 0, CAUSAL, STAGES, FMAX, POW2,
-            ROW_SUMS, WG, PINGPONG, False)
+            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_plain, n_k, SK, SV, DSS, kv_row, dss_at,
+            row_f, dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev, True, STAGES, FMAX,
+            POW2, ROW_SUMS, WG, PINGPONG, 2)
+    elif PIPE:  # pass 2 pipelined on the full mask: the first tile without a pending dQ MMA
+        s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
+            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, 0, 0, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
+            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, c_dq, 0, False, STAGES, FMAX, POW2,
+            ROW_SUMS, WG, PINGPONG, 0)
         for t in range(1, n_k):
             s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, t - 1 if CAUSAL else t, n_k, SK, SV, DSS,
-                kv_row, dss_at, row_f, dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev,
-                False, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, True)
-        ds8 = fp8_operand(ds * (1.0 / sds), fp8_a_layout(d_layout))  # the last tile's dQ MMA
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, t, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
+                dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev, False, STAGES, FMAX,
+                POW2, ROW_SUMS, WG, PINGPONG, 1)
+    if PIPE:  # the last tile's dQ MMA
+        ds8 = fp8_operand(ds * (1.0 / sds), fp8_a_layout(d_layout))
         dq = warpgroup_mma(ds8, kt_smem.index(s_prev).permute((1, 0)), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         mbarrier.arrive(empty.index(s_prev))
@@ -332,7 +346,7 @@ def _bwd_dq_hopper_kernel(
                           dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
                           ROW_SUMS, VARLEN, PINGPONG, PIPE)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
-                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D, PIPE and CAUSAL)),
+                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D)),
     ], [4, 1], [240, 24])
 
 
