@@ -295,16 +295,18 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
 
     if B * Hq == 0 or nseq == 0 or (N == 0 and M == 0):
         return _ret()
-    # Token-major copies are made right before the kernel that reads them and dropped after it, so at most
-    # three 1-byte copies are alive at once (k8t for the dQ kernel; q8t and do8t for the dK/dV kernel).
+    # Token-major copies are made right before the kernel that reads them and dropped after it (k8t for the dQ
+    # kernel, q8t for the dK/dV kernel), but for dO8's, written by dO's quantization pass: at most two 1-byte
+    # copies are alive at once.
     k8t = q8t = do8t = None
     if fp8 and varlen and hopper:
         _backward_packed(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, _layout(cu_seqlens_q, packing),
                          softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq)
         return _ret()
     if fp8:
-        do8, _, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
-                               segments=_quantize_segments(cu_seqlens_q, packing, T))
+        do8, do8t, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
+                                  transposed=M > 0 and max_m > 0, k_order=hopper,
+                                  segments=_quantize_segments(cu_seqlens_q, packing, T))
         sq, sk, sv = q_scale, k_scale, v_scale
         doa = do8
     else:
@@ -354,7 +356,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     if M > 0 and max_m > 0:
         qa, qta, doa_, dota = qs, qs, doa, doa
         if fp8:
-            q8t, do8t = qta, dota = token_major(q8, k_order=hopper), token_major(do8, k_order=hopper)
+            q8t = qta = token_major(q8, k_order=hopper)
+            dota = do8t
         if hopper:
             from .dkdv_hopper import dkdv_hopper
             cfg = _dkdv_hopper_cfg(d, causal=bool(causal), groups=Hq // Hkv, packed=False)
