@@ -228,8 +228,9 @@ DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
 # MMAs, to run under that tile's exponentials (as DQ_HOPPER_PIPE_FULL; dQ, dK, dV bit-identical). H200, N=8192,
 # dK/dV kernel ms, two same-run readings each: full mask 2.655/2.674 -> 2.390/2.344 (run 1403; 2.508/2.515 with 4
 # stages), causal 1.409/1.360 -> 1.281/1.282 (run 1404, with 40 B of spills); GQA 1.369/1.351 -> 1.392/1.393 (56 B
-# of spills), so not with GQA. With three warpgroups (D=64; one head per group only: a warpgroup's skipped tiles
-# would otherwise come between a pending dK MMA and the next tile, and the ring could stall) prepared, not timed.
+# of spills), so not with GQA (without pairs: 1.386/1.359 -> 1.384/1.395, run 1455). With three warpgroups (D=64;
+# one head per group only: a warpgroup's skipped tiles would otherwise come between a pending dK MMA and the next
+# tile, and the ring could stall): causal 1.697/1.688 -> 1.841/1.825, full 3.119/3.099 -> 3.949/3.939 (run 1455).
 DKDV_HOPPER_PIPE = {2: True, 3: False}  # by MMA warpgroups
 DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches
 DQ_HOPPER_HEAD_DIMS = (64, 128)
@@ -245,9 +246,10 @@ DQ_HOPPER_PINGPONG = {128: 1}
 # at the tile's end (the loop 611 -> 629 instructions at D=128). H200, N=8192, dQ kernel ms, two same-run readings
 # each (runs 1324, 1327): full mask D=128 2.788/2.834/2.786/2.799 -> 2.713/2.716/2.720/2.703, D=64 4.534/4.573 ->
 # 4.393/4.430; causal D=128 1.375/1.374 -> 1.440/1.400 (1.402/1.382 without the ping-pong vs 1.401/1.379), D=64
-# 2.311/2.319 -> 2.344/2.347, GQA 1.394/1.393 -> 1.409/1.407: not under causal masks, whose programs are short
-# (the pipeline's first and last tiles are not overlapped) and where the diagonal tile then comes first, so that dQ
-# sums its tiles in another order (within 9e-4, test_dq_hopper_pipe; on the full mask bit-identical).
+# 2.311/2.319 -> 2.344/2.347, GQA 1.394/1.393 -> 1.409/1.407 with the diagonal tile first; in the plain loop's
+# order (a dQ MMA of zeros first, bit-identical: test_dq_hopper_pipe) D=128 causal 1.381/1.425 -> 1.494/1.461,
+# D=64 2.320/2.337 -> 2.418/2.434, GQA 1.391/1.404 -> 1.491/1.458, packed D=64 1.616 -> 1.747 (run 1515): not
+# under causal masks.
 DQ_HOPPER_PIPE_FULL = (64, 128)
 # The ring's stages by head dim where the pass is pipelined: D=64 full mask 4.456/4.423 -> 4.338/4.304 ms with 4
 # (run 1348; 4.393/4.430 -> 4.280/4.306 in run 1327); 4 stages were slower without the pipeline (D=64 causal
