@@ -451,7 +451,8 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's tiles
     before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile ahead, required
-    with GQA; `pipe`: each tile's dK MMA issued with the next tile's S^T and dP^T, two warpgroups only).
+    with GQA; `pipe`: each tile's dK MMA issued with the next tile's S^T and dP^T, dense batches only, and with
+    three warpgroups one head per group).
     segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]

@@ -31,8 +31,7 @@ TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256
               "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_fold", "dkdv_hopper_pairs", "dkdv_hopper_peel", "dkdv_hopper_ahead", "dq_hopper",
               "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs", "dkdv_hopper_wgs",
-              "hopper_packed", "dq_hopper_pingpong", "dq_hopper_pipe",
-              "dkdv_hopper_pipe"}
+              "hopper_packed", "dq_hopper_pingpong", "dq_hopper_pipe", "dkdv_hopper_pipe"}
              | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
                 for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
 
