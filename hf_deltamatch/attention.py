@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import debug, reference
 from ._tensor_cache import TensorCache
 from .config import DeltaMatchConfig
 
@@ -134,6 +134,9 @@ _CU_FACTS = TensorCache()
 # ----------------------------------------------------------------------------------------------------
 
 
+_CONFIG_ARGS = ("precision", "delta", "block", "scale_rounding", "grad_format", "backend", "deterministic")
+
+
 def _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic):
     return DeltaMatchConfig(precision=precision, delta=delta, block=block, scale_rounding=scale_rounding,
                             grad_format=grad_format, backend=backend, deterministic=deterministic)
@@ -222,6 +225,9 @@ def _setup_context(ctx, inputs, output):
     # fp8 mode keeps only the quantized operands (half the bytes of bf16 q/k/v); O only for stale delta.
     ctx.save_for_backward(None if fp8 else q, None if fp8 else k, None if fp8 else v, out if stale else None,
                           lse, q8, k8, v8, sq, sk, sv)
+    ctx.check_call = debug.describe_call(
+        q, k, v, causal=ctx.args["causal"], window=ctx.args["window"], cu_seqlens_q=ctx.args["cu_seqlens_q"],
+        config=_config_from_args(**{a: ctx.args[a] for a in _CONFIG_ARGS})) if debug.enabled() else None
 
 
 def _backward(ctx, grad_out, *_unused_grads, backward_op=_attention_backward):
@@ -233,6 +239,8 @@ def _backward(ctx, grad_out, *_unused_grads, backward_op=_attention_backward):
         grad_out.contiguous(), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, a["causal"], a["softmax_scale"],
         a["window"], a["cu_seqlens_q"], a["cu_seqlens_k"], a["precision"], a["delta"], a["block"],
         a["scale_rounding"], a["grad_format"], a["backend"], a["deterministic"])
+    if getattr(ctx, "check_call", None) is not None:
+        debug.check(ctx.check_call, "backward", {"dq": dq, "dk": dk, "dv": dv}, grad_out)
     return (dq, dk, dv) + (None,) * len(_NON_TENSOR_ARGS)
 
 
@@ -312,4 +320,7 @@ def deltamatch_attention(
     out, lse, *_ = op(
         q, k, v, bool(causal), float(softmax_scale), window, cu_seqlens_q, cu_seqlens_k, config.precision,
         config.delta, config.block, config.scale_rounding, config.grad_format, backend, config.deterministic)
+    if debug.enabled():
+        call = debug.describe_call(q, k, v, causal=causal, window=window, cu_seqlens_q=cu_seqlens_q, config=config)
+        debug.check(call, "forward", {"out": out})
     return (out, lse) if return_lse else out

@@ -24,9 +24,14 @@ _FWD_TILE_Q = 128  # query rows per step of the forward (rows are independent: a
 # ----------------------------------------------------------------------------------------------------
 
 
+# The smallest normal fp32 value: no scale is below it, so 1 / scale is finite (kernels._fp8.SCALE_FLOOR)
+SCALE_FLOOR = torch.finfo(torch.float32).tiny
+
+
 def tile_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
-    """fp32 scale of a tile from its absolute maximum: amax / fmax (optionally up to a power of two)."""
-    scale = amax.float() / FP8_MAX[fmt]
+    """fp32 scale of a tile from its absolute maximum: max(amax / fmax, SCALE_FLOOR), optionally rounded up to a
+    power of two; 1 for an all-zero tile."""
+    scale = (amax.float() / FP8_MAX[fmt]).clamp_min(SCALE_FLOOR)
     if rounding == "pow2":
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return torch.where(amax > 0, scale, torch.ones_like(scale))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import debug
 from ..attention import deltamatch_attention
 
 NAME = "deltamatch_fp8"
@@ -91,6 +92,8 @@ def deltamatch_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: (B, H, S, D) in, (B, S, H, Dv) out, KV heads not repeated."""
     _check_unsupported(module, dropout, softcap, kwargs)
+    if debug.enabled():  # HF_DELTAMATCH_CHECK_FINITE: its errors name the layer
+        debug.set_layer(f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     in_dtype = query.dtype
     if in_dtype == torch.float32:

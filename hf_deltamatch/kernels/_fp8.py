@@ -48,15 +48,36 @@ def to_fp8(x, E5M2: tl.constexpr, INTERP: tl.constexpr):
         return x.to(tl.float8e4nv)
 
 
+# The smallest normal fp32 value. No tile scale is below it, so 1 / scale is finite (a tile whose amax is a
+# subnormal, dS beside an attention sink, would otherwise get 1 / 0 on the GPU, which flushes subnormals).
+SCALE_FLOOR = tl.constexpr(1.1754943508222875e-38)
+# How far below the largest tile so far an accumulator's units may go (acc_units): 2^-64. An accumulator then
+# holds at most 2^64 times 2^25 (128 products of two 448s) times the tiles it adds, far inside fp32's 2^128.
+UNITS_SPAN = tl.constexpr(5.421010862427522e-20)
+
+
 @triton.jit
 def tile_scale(amax, FMAX: tl.constexpr, POW2: tl.constexpr):
-    """scale = amax / fmax (optionally rounded up to a power of two, exactly); 1 for an all-zero tile."""
-    scale = amax / FMAX
+    """scale = max(amax / fmax, SCALE_FLOOR), optionally rounded up to a power of two (exactly); 1 for an all-zero
+    tile."""
+    scale = tl.maximum(amax / FMAX, SCALE_FLOOR)
     if POW2:
         # 2^ceil(log2(s)) by bits: bump the exponent unless the mantissa is already zero.
         bits = scale.to(tl.int32, bitcast=True)
         scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
     return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
+def acc_units(c, c_max):
+    """The units an MMA accumulator takes before adding a tile whose operand scales multiply to c (it is kept in
+    units of the tile it last added, so the MMA accumulates in place), and the running max of c. Normally c itself;
+    but never below UNITS_SPAN x the largest c so far, nor below SCALE_FLOOR: a tile 2^64 below an earlier one
+    (P of 1e-30 beside an attention sink) would otherwise scale the accumulator past fp32's range, or to inf
+    through c == 0. Where the units exceed c, the tile's operand is quantized with the coarser scale
+    units / (the other operand's scale): its contribution is below 2^-39 of the largest tile's."""
+    c_max = tl.maximum(c_max, c)
+    return tl.maximum(tl.maximum(c, c_max * UNITS_SPAN), SCALE_FLOOR), c_max
 
 
 @triton.jit

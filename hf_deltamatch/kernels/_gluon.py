@@ -9,6 +9,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._fp8 import SCALE_FLOOR, UNITS_SPAN
+
 # Triton renamed the TMA copy into shared memory after 3.6 (3.9 keeps the old name only to raise)
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 
@@ -81,11 +83,19 @@ def _grid_ids(n_tiles, head_group):
 
 @gluon.jit
 def tile_scale(amax, FMAX: gl.constexpr, POW2: gl.constexpr):
-    """_fp8.tile_scale in Gluon: amax / fmax, optionally rounded up to a power of two; 1 for an all-zero tile."""
-    scale = amax / FMAX
+    """_fp8.tile_scale in Gluon: max(amax / fmax, SCALE_FLOOR), optionally rounded up to a power of two; 1 for an
+    all-zero tile."""
+    scale = gl.maximum(amax / FMAX, SCALE_FLOOR)
     if POW2:
         scale = ((scale.to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(gl.float32, bitcast=True)
     return gl.where(amax > 0, scale, 1.0)
+
+
+@gluon.jit
+def acc_units(c, c_max):
+    """_fp8.acc_units in Gluon: (the accumulator's units for a tile of scale product c, the running max of c)."""
+    c_max = gl.maximum(c_max, c)
+    return gl.maximum(gl.maximum(c, c_max * UNITS_SPAN), SCALE_FLOOR), c_max
 
 
 # One element per thread of a 4-warp partition: inline asm over it runs once per thread

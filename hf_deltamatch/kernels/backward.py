@@ -23,7 +23,7 @@ through tensor descriptors (see _tile for the rows they read past a sequence).
 import triton
 import triton.language as tl
 
-from ._fp8 import cast_to, tile_scale, to_fp8
+from ._fp8 import acc_units, cast_to, tile_scale, to_fp8
 from .forward import _grid_ids, _key_ranges, _load_2d, _mma_done, _per_row, _scale, _seq_bounds, _tile, _visible
 
 
@@ -51,7 +51,7 @@ def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, kv_row, offs_m, offs
 
 
 @triton.jit
-def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
+def _dq_inner(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
               dss_tk, kv_row, kt_row, k0, start_m, lo, hi, n, m, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
@@ -96,23 +96,25 @@ def _dq_inner(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
                     if DSS_OUT:  # a sub-tile past the sequence's end is not a tile: its slot may be the next's
                         i = tl.arange(0, BLOCK_M // DS_Q)
                         tl.store(DSS + i * dss_tk + start_n // BLOCK_N, sub, mask=start_m + i * DS_Q < n)
-                # multiply by 1/sds: Triton's fp32 `/` is div.full.f32, one MUFU op per element, and the MUFU
-                # unit is already busy with exp2 (the reciprocal is per tile; pow2 scales make it exact)
-                r = _per_row(1.0 / sds, ONE_TILE)
-                c = sds * _scale(SK + start_n, ASM_SCALES)  # dq is kept in units of the last tile's scale
+                # dq is kept in units of the last tile's sds * sk (or of _fp8.acc_units' floor, which keeps it
+                # finite), the tile quantized at sk / units (1 / sds but at the floor). Multiplied: Triton's fp32 `/`
+                # is div.full.f32, one MUFU op per element, and the MUFU unit is already busy with exp2
+                sk_t = _scale(SK + start_n, ASM_SCALES)
+                u, c_max = acc_units(sds * sk_t, c_max)
+                r = _per_row(sk_t / u, ONE_TILE)
                 kt = _tile(KT, kt_row, k0 + start_n, offs_n, offs_dqk, ktn, ktd, m, DQK, MASK, BLOCK_DQK != DQK,
                            TMA, True)
-                dq = tl.dot(to_fp8(ds * r, E5M2, INTERP), kt, dq * _per_row(c_dq / c, ONE_TILE))
-                c_dq = c
+                dq = tl.dot(to_fp8(ds * r, E5M2, INTERP), kt, dq * _per_row(c_dq / u, ONE_TILE))
+                c_dq = u
             else:
                 dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(k.dtype), k, dq)
             if WAIT_MMA:
                 dq = _mma_done(dq, INTERP)
-    return dq, c_dq, delta, rs, ra
+    return dq, c_dq, c_max, delta, rs, ra
 
 
 @triton.jit
-def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn,
+def _dq_sweep(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn,
               svd, dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -123,22 +125,22 @@ def _dq_sweep(dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, S
     """One pass over a query block's visible key tiles: the window's masked edge [lo, mid_lo) (only with a
     window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
     if HAS_WINDOW:
-        dq, c_dq, delta, rs, ra = _dq_inner(
-            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
+        dq, c_dq, c_max, delta, rs, ra = _dq_inner(
+            dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
             dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
             WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
-    dq, c_dq, delta, rs, ra = _dq_inner(
-        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
+    dq, c_dq, c_max, delta, rs, ra = _dq_inner(
+        dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
         dss_tk, kv_row, kt_row, k0, start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
         WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
-    dq, c_dq, delta, rs, ra = _dq_inner(
-        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
+    dq, c_dq, c_max, delta, rs, ra = _dq_inner(
+        dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
         dss_tk, kv_row, kt_row, k0, start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
         WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
-    return dq, c_dq, delta, rs, ra
+    return dq, c_dq, c_max, delta, rs, ra
 
 
 @triton.jit
@@ -200,6 +202,7 @@ def _bwd_dq_kernel(
         row_f = softmax_scale * 1.4426950408889634
         dp_f = softmax_scale * 0.0 + 1.0
         c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (fp8: sds * sk of the last key tile)
+        c_max = softmax_scale * 0.0  # the largest sds * sk so far (_fp8.acc_units)
         if FP8:
             row_f = row_f * tl.load(SQ + row0 + start_m, mask=start_m < n, other=1.0)
             dp_f = tl.load(SDO + row0 + start_m, mask=start_m < n, other=1.0)
@@ -207,6 +210,7 @@ def _bwd_dq_kernel(
         row_f = tl.zeros([BLOCK_M], tl.float32) + softmax_scale * 1.4426950408889634
         dp_f = tl.zeros([BLOCK_M], tl.float32) + 1.0
         c_dq = tl.zeros([BLOCK_M], tl.float32) + 1.0  # per row: two dS tiles, two scales
+        c_max = tl.zeros([BLOCK_M], tl.float32)
         if FP8:
             row_f = row_f * tl.load(SQ + row0 + offs_m, mask=rmask, other=1.0)
             dp_f = tl.load(SDO + row0 + offs_m, mask=rmask, other=1.0)
@@ -223,13 +227,13 @@ def _bwd_dq_kernel(
                      offs_m, offs_dv, n, DV, True, BLOCK_DV != DV).to(tl.float32)
         delta = tl.sum(dohp * o, 1)
     else:  # the correction pass
-        dq, c_dq, delta, rs, ra = _dq_sweep(
-            dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb, DSSm,
+        dq, c_dq, c_max, delta, rs, ra = _dq_sweep(
+            dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb, DSSm,
             skn, skd, ktn, ktd, svn, svd, dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
             FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, False)
-    dq, c_dq, delta, rs, ra = _dq_sweep(
-        dq, c_dq, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb, DSSm,
+    dq, c_dq, c_max, delta, rs, ra = _dq_sweep(
+        dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb, DSSm,
         skn, skd, ktn, ktd, svn, svd, dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
         BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
         FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
@@ -332,7 +336,7 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, d_f, sqn, sqd, sdon, sdod, q_ro
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, DSS, col_f, dp_f,
+def _dkdv_inner(dk, dv, c_dk, ck_max, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, DSS, col_f, dp_f,
                 sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0,
                 start_n, lo, hi, n, m, window,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -357,7 +361,8 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, D
             if FOLD and PART != 1:  # dst comes out times r: r in dP's scale and delta (launch._dkdv_fold_ds_scale)
                 # (read here, before dS exists; without FOLD below, where the measured kernels read it)
                 sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
-                r = (1.0 / (1 << P_SHIFT)) / sds
+                uk, ck_max = acc_units(sds * sq_t, ck_max)
+                r = sq_t * (1.0 / (1 << P_SHIFT)) / uk
                 dpf = dpf * r
         pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, r, sqn, sqd, sdon, sdod, q_row + start_m,
                                  offs_m, offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW,
@@ -382,15 +387,16 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, D
                         # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T
                         amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
                         sds = tile_scale(amax, FMAX, POW2)
-                    r = (1.0 / (1 << P_SHIFT)) / sds  # multiply, not divide per element (see _dq_inner)
-                ck = sds * sq_t
+                    # dk is kept in units of the last tile's sds * sq or acc_units' floor; r multiplies (_dq_inner)
+                    uk, ck_max = acc_units(sds * sq_t, ck_max)
+                    r = sq_t * (1.0 / (1 << P_SHIFT)) / uk
                 qt = _tile(QT, qt_row, q0 + start_m, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK,
                            TMA, True)
                 ds_r = dst
                 if not FOLD:
                     ds_r = dst * r
-                dk = tl.dot(to_fp8(ds_r, E5M2, INTERP), qt, dk * (c_dk / ck))
-                c_dk = ck
+                dk = tl.dot(to_fp8(ds_r, E5M2, INTERP), qt, dk * (c_dk / uk))
+                c_dk = uk
         else:
             if PART != 2:
                 dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
@@ -401,7 +407,7 @@ def _dkdv_inner(dk, dv, c_dk, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, D
                 dv = _mma_done(dv, INTERP)
             else:
                 dk = _mma_done(dk, INTERP)
-    return dk, dv, c_dk, c_dv
+    return dk, dv, c_dk, ck_max, c_dv
 
 
 @triton.jit
@@ -452,6 +458,7 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of c_dk, c_dv (the last tile scales)
+    ck_max = softmax_scale * 0.0  # the largest sds * sq so far (_fp8.acc_units)
     c_dv = softmax_scale * 0.0 + 1.0
     lo, mid_lo, mid_hi, hi = _query_ranges(start_n, BLOCK_M, BLOCK_N, n, m, window, CAUSAL, HAS_WINDOW)
     if start_n >= m:
@@ -477,18 +484,18 @@ def _bwd_dkdv_kernel(
         LSEg = LSE + bh * N + q0
         DELTAg = DELTA + bh * N + q0
         DSSg = DSS + _dss_row(bh, q0, pid_s, dss_tq, BLOCK_M) * dss_tk + start_n // DS_K  # BLOCK_M: the tile's rows
-        dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
+        dk, dv, c_dk, ck_max, c_dv = _dkdv_inner(
+            dk, dv, c_dk, ck_max, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
             qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
             TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
-        dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
+        dk, dv, c_dk, ck_max, c_dv = _dkdv_inner(
+            dk, dv, c_dk, ck_max, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
             qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
             TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
-        dk, dv, c_dk, c_dv = _dkdv_inner(
-            dk, dv, c_dk, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
+        dk, dv, c_dk, ck_max, c_dv = _dkdv_inner(
+            dk, dv, c_dk, ck_max, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
             qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
             TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_TILE, ROW_LAYOUT, _desc, _grid_ids, _release, _ring_barriers,
-    _row_desc, _segment, fp8_a_layout, fp8_operand, mma_layout, tma_load,
+    _row_desc, _segment, acc_units, fp8_a_layout, fp8_operand, mma_layout, tma_load,
 )
 
 
@@ -86,7 +86,7 @@ def _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk):
 
 @gluon.jit
 def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
-          bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv, masked, s_prev,
+          bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, masked, s_prev,
           CAUSAL: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr,
           PIPE: gl.constexpr):
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
@@ -130,11 +130,13 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     p8 = fp8_operand(p256, a_layout)
     dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
     dp_acc = warpgroup_mma_wait(1 + PIPE, deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
-    ck = sds * sq_t
+    # dk is kept in units of the last tile's sds * sq (or of _fp8.acc_units' floor), the tile quantized at
+    # sq / units: r takes dst = dS^T * 256 to dS^T / sds
+    uk, ck_max = acc_units(sds * sq_t, ck_max)
     if not PIPE:
-        dk = dk * (c_dk / ck)
-        c_dk = ck
-    r = (1.0 / 256.0) / sds  # dS^T / sds from dst = dS^T * 256
+        dk = dk * (c_dk / uk)
+        c_dk = uk
+    r = sq_t * (1.0 / 256.0) / uk
     delta = delta_smem.index(s).load(col_layout)
     if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
         ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
@@ -142,8 +144,8 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
     if PIPE:  # dS^T / sds goes to the next tile in fp32: an fp8 tensor across the back edge costs byte packing
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        dk = dk * (c_dk / ck)
-        c_dk = ck
+        dk = dk * (c_dk / uk)
+        c_dk = uk
         dp_acc = ds_r
     else:
         ds8 = fp8_operand(ds_r, a_layout)
@@ -152,13 +154,13 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
         # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-    return s_acc, dp_acc, dk, dv, c_dk, c_dv
+    return s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv
 
 
 @gluon.jit
 def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n, sdo_n,
           sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col, first,
-          s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS: gl.constexpr, STAGES: gl.constexpr,
+          s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS: gl.constexpr, STAGES: gl.constexpr,
           CAUSAL: gl.constexpr, FOLD: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr, AHEAD: gl.constexpr,
           DIAG: gl.constexpr, PIPE: gl.constexpr):
     """The ring's t-th query tile (tile i of the group's head g) through one warpgroup, its stage released after.
@@ -196,20 +198,20 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             masked = i < 2
         else:
             masked = DIAG == 1
-        s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+        s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
-            dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+            dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
             masked, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, PIPE)
     elif DIAG == 2:
         if i >= first:  # the diagonal tile is this warpgroup's first
-            s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+            s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
-                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
                 i == first, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, PIPE)
     else:  # three warpgroups, peeled: the caller skipped the tiles before `first`
-        s_acc, dp_acc, dk, dv, c_dk, c_dv = _tile(
+        s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
-            dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, c_dv,
+            dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
             DIAG == 1, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, PIPE)
     s_next = s
     if PIPE:
@@ -224,7 +226,7 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             mbarrier.arrive(empty.index(s_prev))  # the previous tile's dK MMA is done with its q8^T
     else:
         mbarrier.arrive(empty.index(s))  # this stage's tiles are read
-    return s_acc, dp_acc, dk, dv, c_dk, c_dv, g1, i1, sq_n, sdo_n, sds_n, s_next
+    return s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g1, i1, sq_n, sdo_n, sds_n, s_next
 
 
 @gluon.jit
@@ -262,6 +264,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     dk = gl.zeros([64, HEAD_D], gl.float32, d_layout)
     dv = gl.zeros([64, HEAD_D], gl.float32, d_layout)
     c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of the last tile's scales (c_dk, c_dv)
+    ck_max = softmax_scale * 0.0  # the largest sds * sq so far (_fp8.acc_units)
     c_dv = softmax_scale * 0.0 + 1.0
     # three warpgroups (192 keys): warpgroup WG's causal query tiles start WG tiles after the program's (the ones
     # before lie above its diagonal, where the dQ kernel wrote no dS scale: skipped, not masked), and the last
@@ -299,10 +302,10 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     s_prev = 0  # PIPE: the ring stage of the tile whose dK MMA is pending
     if PEEL and WGS == 2:
         for u in gl.static_range(2):  # the second tile skips dv's rescale as in a pair
-            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
+            s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, u, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
-                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD, WGS,
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD, WGS,
                 u == 0 or not PAIRS, AHEAD, 1, PIPE)
         t0 = 2
     elif PEEL:  # first <= n_q (first == n_q: a warpgroup past the keys)
@@ -312,26 +315,26 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             i = gl.minimum(first, n_q - 1)
             sq_n, sdo_n, sds_n = _tile_scales(SQ_G, SDO_G, DSS_G, g, i, N, dss_tq, dss_tk)
         if first < n_q:
-            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
+            s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, first, g, i,
                 sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
-                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD,
+                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD,
                 WGS, True, AHEAD, 1, PIPE)
             t0 = first + 1
     if PAIRS:
         for t2 in range(t0 // 2, GROUPS * n_q // 2):
             for u in gl.static_range(2):
-                s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
+                s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                     k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + u,
                     g, i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N,
-                    dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL,
+                    dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL,
                     FOLD, WGS, u == 0, AHEAD, DIAG, PIPE)
     else:
         for t in range(t0, GROUPS * n_q):
-            s_acc, dp_acc, dk, dv, c_dk, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
+            s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
-                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD, WGS, True,
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD, WGS, True,
                 AHEAD, DIAG, PIPE)
     if PIPE:  # the last tile's dK MMA (none for a warpgroup past the keys)
         if WGS == 2:

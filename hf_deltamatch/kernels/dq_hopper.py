@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from ._gluon import (
     BLOCK_M, BLOCK_N, KEYS_PER_PROGRAM, QUERIES_PER_PROGRAM, _desc, _query_program, _ring_barriers, _segment,
-    fp8_a_layout, fp8_operand, mma_layout, pass_turn, tile_scale, tma_load, wait_turn,
+    acc_units, fp8_a_layout, fp8_operand, mma_layout, pass_turn, tile_scale, tma_load, wait_turn,
 )
 
 
@@ -137,23 +137,30 @@ def _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX: gl.constexpr, POW2:
 
 
 @gluon.jit
+def _dq_units(sds, sk_j, dq, c_dq, c_max):
+    """Key tile j's operand factor r (dS8 = dS * r) and dq rescaled into its units: dq is kept in units of the last
+    tile's sds * sk (or of _fp8.acc_units' floor), the tile quantized at sk / units (1 / sds but at the floor).
+    r is multiplied, as fp32 `/` is a MUFU op per element and exp2 keeps the MUFU busy."""
+    u, c_max = acc_units(sds * sk_j, c_max)
+    dq = dq * (c_dq / u)
+    return sk_j / u, dq, u, c_max
+
+
+@gluon.jit
 def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
-             lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, MASKED: gl.constexpr,
+             lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, MASKED: gl.constexpr,
              STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr, WG: gl.constexpr,
              PINGPONG: gl.constexpr):
     """Pass 2 on key tile j: dS, its tile scale (stored for the dK/dV kernel) and dQ += dS8 k8. sk_t, sv_t: its
     scales; returns the next tile's."""
     a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
-    c = sk_t  # times sds below
+    sk_j = sk_t
     s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
         q_sub, do_sub, k_smem, v_smem, ready, n_k + j, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows,
         SK, SV, kv_row, MASKED, False, STAGES, WG, PINGPONG)
     ds, rs, ra, sds = _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX, POW2, ROW_SUMS)
-    c = sds * c
-    dq = dq * (c_dq / c)
-    c_dq = c
-    # multiply by 1/sds: fp32 `/` is a MUFU op per element, and exp2 keeps the MUFU busy
-    ds8 = fp8_operand(ds * (1.0 / sds), a_layout)  # kt_smem's keys in k_order
+    r, dq, c_dq, c_max = _dq_units(sds, sk_j, dq, c_dq, c_max)
+    ds8 = fp8_operand(ds * r, a_layout)  # kt_smem's keys in k_order
     if PINGPONG == 2:
         wait_turn(WG)
     dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
@@ -162,25 +169,26 @@ def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, S
     # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     mbarrier.arrive(empty.index(s))
-    return s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t
+    return s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t
 
 
 @gluon.jit
 def _dq_tile_pipe(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-                  dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds_prev, s_prev,
+                  dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r_prev, s_prev,
                   MASKED: gl.constexpr, STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
                   ROW_SUMS: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr, PREV: gl.constexpr):
     """Pass 2 on key tile j, the pass's t-th (PIPE): as _dq_tile, but this tile's dQ MMA is left to the next
     tile's call, which issues it (from ds, sds_prev, stage s_prev; PREV) with its own S and dP, so that it runs
-    under that tile's exponentials rather than the warpgroup waiting on it. Returns this tile's dS in fp32 (in
+    under that tile's exponentials rather than the warpgroup waiting on it (r_prev: its operand factor, _dq_units).
+    Returns this tile's dS in fp32 (in
     dP's accumulator registers, which the next tile's dP MMA takes over): an fp8 tensor carried across the loop's
     back edge costs ~200 byte unpacking and packing instructions per tile. PREV: 0 no pending MMA (the first
     tile), 1 one, 2 one from t > 0 and at t = 0 a dQ MMA of zeros (ds = 0) on this tile's own stage, which holds
     finite values and is released by the next tile: one loop from the first tile on."""
     a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
-    c = sk_t  # times sds below
+    sk_j = sk_t
     if PREV:
-        ds8 = fp8_operand(ds * (1.0 / sds_prev), a_layout)
+        ds8 = fp8_operand(ds * r_prev, a_layout)
     s_acc, dp_acc, s = _issue_s_dp(q_sub, do_sub, k_smem, v_smem, ready, n_k + t, s_acc, ds, STAGES, WG, PINGPONG)
     if PREV == 2:
         s_prev = gl.where(t > 0, s_prev, s)
@@ -197,10 +205,8 @@ def _dq_tile_pipe(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, j, n_
             mbarrier.arrive(empty.index(s_prev))
         elif t > 0:
             mbarrier.arrive(empty.index(s_prev))
-    c = sds * c
-    dq = dq * (c_dq / c)  # into this tile's units, for its dQ MMA in the next call
-    c_dq = c
-    return s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s
+    r, dq, c_dq, c_max = _dq_units(sds, sk_j, dq, c_dq, c_max)  # into this tile's units, for its MMA in the next call
+    return s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s
 
 
 @gluon.jit
@@ -243,46 +249,47 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
     rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile)
+    c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile: _dq_units)
+    c_max = softmax_scale * 0.0  # the largest sds * sk so far
     dss_at = dss_row * dss_tk + dss_col0
     if PIPE and CAUSAL:  # pass 2 pipelined, in the plain loop's order: a dQ MMA of zeros first, the diagonal last
         ds = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        sds = c_dq
+        r = c_dq  # the operand factor of the dQ MMA of zeros (1)
         s_prev = 0
         for t in range(n_plain):
-            s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
+            s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev = _dq_tile_pipe(
                 q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, t, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-                dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev, False, STAGES, FMAX,
+                dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev, False, STAGES, FMAX,
                 POW2, ROW_SUMS, WG, PINGPONG, 2)
-        s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
+        s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev = _dq_tile_pipe(
             q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_plain, n_k, SK, SV, DSS, kv_row, dss_at,
-            row_f, dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev, True, STAGES, FMAX,
+            row_f, dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev, True, STAGES, FMAX,
             POW2, ROW_SUMS, WG, PINGPONG, 2)
     elif PIPE:  # pass 2 pipelined on the full mask: the first tile without a pending dQ MMA
-        s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
+        s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev = _dq_tile_pipe(
             q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, 0, 0, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, c_dq, 0, False, STAGES, FMAX, POW2,
+            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, c_dq, 0, False, STAGES, FMAX, POW2,
             ROW_SUMS, WG, PINGPONG, 0)
         for t in range(1, n_k):
-            s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev = _dq_tile_pipe(
+            s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev = _dq_tile_pipe(
                 q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, t, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-                dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, rs, ra, sk_t, sv_t, sds, s_prev, False, STAGES, FMAX,
+                dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev, False, STAGES, FMAX,
                 POW2, ROW_SUMS, WG, PINGPONG, 1)
     if PIPE:  # the last tile's dQ MMA
-        ds8 = fp8_operand(ds * (1.0 / sds), fp8_a_layout(d_layout))
+        ds8 = fp8_operand(ds * r, fp8_a_layout(d_layout))
         dq = warpgroup_mma(ds8, kt_smem.index(s_prev).permute((1, 0)), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         mbarrier.arrive(empty.index(s_prev))
     else:
         for j in range(n_plain):  # pass 2: dS and dQ
-            s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
+            s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
                 q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-                dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, False, STAGES, FMAX, POW2,
+                dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, False, STAGES, FMAX, POW2,
                 ROW_SUMS, WG, PINGPONG)
         if CAUSAL:
-            s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t = _dq_tile(
+            s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
                 q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at,
-                row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, rs, ra, sk_t, sv_t, True, STAGES, FMAX,
+                row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, True, STAGES, FMAX,
                 POW2, ROW_SUMS, WG, PINGPONG)
     if PINGPONG:
         if WG == 0:  # the turn warpgroup 1 passed with its last MMAs: every named-barrier arrive is consumed
