@@ -227,7 +227,7 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
 
 # Head dims at which the forward comes from fwd_hopper's Gluon kernel where it applies (_hopper_case): 0.95-0.98x
 # the Triton forward's time at D=128, 0.95x at D=64 (three warpgroups). FA3's schedule (tile j-1's PV issued with
-# tile j's QK^T, the warpgroups taking turns) was slower (1.05-1.09x).
+# tile j's QK^T, the warpgroups taking turns) was slower under causal masks (1.10x).
 FWD_HOPPER_HEAD_DIMS = (64, 128)
 FWD_HOPPER_STAGES = 2
 # MMA warpgroups per program (64 queries each) and their registers, by head dim: three of 160, so that an SM runs
@@ -336,7 +336,7 @@ def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
 # (forward._grid_ids; 1 is head by head, as with any other mask, whose tiles all carry the same work). Causal tiles
 # differ in work up to N / BLOCK-fold: head by head, the last head's heaviest tile starts near the end and runs alone,
 # while too large a group spreads the reads over more heads' K/V or q/dO than the L2 holds. Groups: forward and dQ
-# 0.95x the time, dK/dV 0.98x (0.86x with GQA); all heads at once 1.06x (dQ); on the full mask groups 1.02-1.04x.
+# 0.95x the time, dK/dV 0.99x (0.86x with GQA); all heads at once 1.06x (dQ); on the full mask groups 1.01-1.04x.
 HEAD_GROUP_CAUSAL = {"fwd": 4, "dq": 8, "dkdv": 4}
 
 
