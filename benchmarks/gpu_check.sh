@@ -6,17 +6,15 @@
 # Writes under OUT: nvidia-smi.txt, pytest-gpu.log, attention-progress.log and the benchmark's
 # attention-<date>-<gpu>.json/.md. Budget ~10 min on one H200 (env-overridable, seconds):
 #   GPU_CHECK_TOTAL            the whole script (default 590)
-#   GPU_CHECK_PYTEST_TIMEOUT   `pytest -m gpu` (default 570; 22 tests took 177 s in run 1911, 35 about 350 s in
-#                              session 10, 41 took 524 s in session 11); the benchmark gets what is left of the
-#                              total and is skipped when that is under 120 s: run it in a call of its own
+#   GPU_CHECK_PYTEST_TIMEOUT   `pytest -m gpu` (default 570; the whole GPU suite takes more than one 600 s call);
+#                              the benchmark gets what is left of the total and is skipped when that is under
+#                              120 s: run it in a call of its own
 #   GPU_CHECK_LAST_SHAPE       room kept for the last shape: the benchmark starts no new shape once less than
 #                              this is left (default 100; N=65536 is the longest). At the total the benchmark is
 #                              killed; it writes its results after every shape, so the finished ones remain.
-#   GPU_CHECK_PYTEST_ARGS      extra arguments for pytest, e.g. -k "hopper" and -k "not hopper" to split the GPU
-#                              tests over two calls (42 tests since session 11: more than one call's 600 s; the
-#                              18 of -k hopper took ~400 s in session 17, and session 18 added two (~90 s): the
-#                              benchmark gets a call of its own; 33 of -k "hopper or dense_fp8 or modes or
-#                              exact_attention" took 419 s in session 18, the other 17 GPU tests 186 s)
+#   GPU_CHECK_PYTEST_ARGS      extra arguments for pytest, to split the GPU tests over two calls: -k "hopper or
+#                              dense_fp8 or modes or exact_attention" (~420 s) and the rest (~190 s); the
+#                              benchmark then gets a call of its own
 #   GPU_CHECK_BENCH_ARGS       extra arguments for benchmarks/attention.py (e.g. "--quick")
 #   PYTHON                     interpreter (default python3: the GPU image has no `python`)
 # Exit status: the benchmark's if it failed, else pytest's (5 = no gpu tests collected counts as success).
@@ -54,7 +52,7 @@ echo "== pytest -m gpu: $pytest_status ($(( $(date +%s) - started )) s; log: pyt
 tail -n 25 "$OUT/pytest-gpu.log"
 
 # 2. The benchmark: progress to a log, the markdown (stdout) kept to print last; skipped when the tests left it
-# less than two minutes (the whole GPU suite takes most of a 10-minute call since session 11).
+# less than two minutes (the whole GPU suite takes more than a 10-minute call).
 bench_started=$(date +%s)
 BENCH_TIMEOUT=$(( TOTAL - (bench_started - started) ))
 if [ "$BENCH_TIMEOUT" -lt 120 ]; then

@@ -5,14 +5,14 @@
 
 Compiles with `triton.compile` for target cuda:90 and reads the cubin's resource usage with the cuobjdump that
 ships inside triton. Spills are the first thing to look at before spending GPU time on a launch config: a
-config that spills hundreds of bytes per thread ran 2-3x slower on the H200 (benchmarks/NOTES.md). Pointer
+config that spills hundreds of bytes per thread ran 2-3x slower on the H200 (docs/kernels.md). Pointer
 and stride arguments are marked divisible by 16, as the launcher does for our tensors; without it loads
 compile to byte accesses and nothing pipelines.
 
 --loops adds, per innermost loop of the SASS (a backward branch's body: about one per key- or query-tile range,
 though ptxas may lay a masked loop out as two overlapping ones), the instructions one warp issues per iteration
 by kind: the H200 runs showed these loops limited by their instruction streams rather than by the tensor cores
-or the MUFU (benchmarks/NOTES.md, session 5), so this count is the figure to lower.
+or the MUFU (docs/kernels.md), so this count is the figure to lower.
 """
 
 import argparse
@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from hf_deltamatch import kernels as K
+from hf_deltamatch.kernels import launch as KL, ops as KO
 from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from hf_deltamatch.kernels.forward import _fwd_kernel
 
@@ -218,32 +219,32 @@ def main():
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         causal = not args.full
         c = common(args.d, fp8, causal, args.groups)
-        fm, fw, fs = K._fwd_launch_cfg(args.d, args.d, fp8)
-        kv_n = K._dkdv_block_n(args.block, args.d, K._dkdv_ds_scales(args.d, fp8))
-        dm, dw, ds, kw, ks = K._bwd_launch_cfg(args.d, args.d, fp8, kv_n, args.block)
+        fm, fw, fs = KL._fwd_launch_cfg(args.d, args.d, fp8)
+        kv_n = KL._dkdv_block_n(args.block, args.d, KL._dkdv_ds_scales(args.d, fp8))
+        dm, dw, ds, kw, ks = KL._bwd_launch_cfg(args.d, args.d, fp8, kv_n, args.block)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
-        wait = {k: dict(WAIT_MMA=K._wait_mma(k, args.d), ASM_SCALES=K._asm_scales(k, args.d))
+        wait = {k: dict(WAIT_MMA=KL._wait_mma(k, args.d), ASM_SCALES=KL._asm_scales(k, args.d))
                 for k in ("fwd", "dq", "dkdv")}
-        wait["dq"]["SCALE_AFTER_SUM"] = K._scale_after_sum(args.d)
-        lse2, shift = K._dkdv_lse2(args.d), K._dkdv_p_shift(args.d, fp8)
+        wait["dq"]["SCALE_AFTER_SUM"] = KL._scale_after_sum(args.d)
+        lse2, shift = KL._dkdv_lse2(args.d), KL._dkdv_p_shift(args.d, fp8)
         wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
-        dss = K._dkdv_ds_scales(args.d, fp8)
+        dss = KL._dkdv_ds_scales(args.d, fp8)
         wait["dq"]["DSS_OUT"] = dss
-        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=K._dkdv_parts(args.d)[-1], DSS_IN=dss,
-                            FOLD=K._dkdv_fold_ds_scale(args.d, dss))
+        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=KL._dkdv_parts(args.d)[-1], DSS_IN=dss,
+                            FOLD=KL._dkdv_fold_ds_scale(args.d, dss))
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
-                                      TMA=K._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),
+                                      TMA=KL._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),
             "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
-                                        ROW_SUMS=False, DS_Q=K.DS_TILE_Q, ONE_TILE=dm == K.DS_TILE_Q,
-                                        TMA=K._use_tma("dq", fp8, args.d, args.d), **wait["dq"]), dw, ds),
-            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=K.DS_TILE_Q,
+                                        ROW_SUMS=False, DS_Q=KO.DS_TILE_Q, ONE_TILE=dm == KO.DS_TILE_Q,
+                                        TMA=KL._use_tma("dq", fp8, args.d, args.d), **wait["dq"]), dw, ds),
+            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=KO.DS_TILE_Q,
                                             BLOCK_N=kv_n, DS_K=args.block,
-                                            TMA=K._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
+                                            TMA=KL._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
         }
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
-            cfg = K._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen)
+            cfg = KL._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen)
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                             STAGES=cfg["stages"], FOLD=cfg["fold"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
@@ -252,20 +253,20 @@ def main():
                                                             AHEAD=cfg["ahead"], PIPE=cfg["pipe"]), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
-            cfg = K._dq_hopper_cfg(args.d, causal)
+            cfg = KL._dq_hopper_cfg(args.d, causal)
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=cfg["stages"],
-                SCALE_AFTER_SUM=K._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
+                SCALE_AFTER_SUM=KL._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
                 VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"]), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
-            cfg = K._fwd_hopper_cfg(args.d)
+            cfg = KL._fwd_hopper_cfg(args.d)
             jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                            STAGES=cfg["stages"], VARLEN=args.varlen,
                                                            WGS=cfg["warpgroups"], REGS=cfg["regs"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
-            u = usage(fn, cx, w, s, K._maxnreg(name).get("maxnreg"))
+            u = usage(fn, cx, w, s, KL._maxnreg(name).get("maxnreg"))
             print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
                   f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']} sass={u['sass_md5']}",
                   flush=True)

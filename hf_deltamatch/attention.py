@@ -2,9 +2,9 @@
 
 Under `torch.compile` the op is a `torch.library` custom op with a registered autograd formula, so the compiler
 traces it as one node (no graph break). Eager calls take a plain `torch.autograd.Function` around the same
-forward and backward: on the H200 machine torch.profiler counted ~0.5 ms less host time per forward + backward
-without the custom op's Python dispatch and the zero-filled gradients it used to get (benchmarks/NOTES.md,
-session 15); at 4K tokens per sequence the host time is about the GPU time of the kernels.
+forward and backward: on the H200 torch.profiler counts ~0.5 ms less host time per forward + backward without
+the custom op's Python dispatch and zero-filled gradients, and at 4K tokens per sequence the host time is about
+the GPU time of the kernels (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
 
 if torch.cuda.is_available():
     from hf_deltamatch import kernels as K
+    from hf_deltamatch.kernels import launch as KL, ops as KO
 
 
 def _rel(a, b):
@@ -99,7 +100,7 @@ def test_varlen_tma_aligned_starts():
     the pointer path, tests/test_kernels.py), tokens past the last sequence included (their q8/k8/v8 are
     unspecified, so the *_mismatch figures printed for this case count them)."""
     cu = torch.tensor([0, 1024, 1040, 3008], device="cuda")
-    assert K._seq_info(cu, cu, cu, cu)[5] and K._use_tma("fwd", True, 128, 128) and K._use_tma("dq", True, 128, 128)
+    assert KO._seq_info(cu, cu, cu, cu)[5] and KL._use_tma("fwd", True, 128, 128) and KL._use_tma("dq", True, 128, 128)
     _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1024, 1040, 3008], window=None)
 
 
@@ -115,7 +116,8 @@ def test_tma_equals_pointer_paths():
     tma = dict(fwd_tma=True, dq_tma=True, dkdv_tma=True)
     # where the kernels wait on their MMAs and how they read scales changes no bit
     flipped = {o: v for k in ("fwd", "dq", "dkdv")
-               for o, v in ((f"{k}_wait_mma", not K._wait_mma(k, 128)), (f"{k}_asm_scales", not K._asm_scales(k, 128)))}
+               for o, v in ((f"{k}_wait_mma", not KL._wait_mma(k, 128)),
+                            (f"{k}_asm_scales", not KL._asm_scales(k, 128)))}
     runs = {}
     for name, tune in {"tma": tma, "pointers": dict(fwd_tma=False, dq_tma=False, dkdv_tma=False),
                        "tma, MMA waits and scale loads flipped": dict(tma, **flipped)}.items():
@@ -252,7 +254,7 @@ def _gluon_vs_triton(gluon, opts, seed):
                            ("gluon", gluon)):
             K.TUNE.update(tune, **opts)
             try:  # the Gluon run must not fall back to Triton, or the comparison proves nothing
-                assert (K._dkdv_hopper(D, **case) or K._dq_hopper(D, stale=False, **case)) == (name == "gluon")
+                assert (KL._dkdv_hopper(D, **case) or KL._dq_hopper(D, stale=False, **case)) == (name == "gluon")
                 grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
                 K.TUNE.clear()
@@ -298,7 +300,7 @@ def test_dkdv_hopper_loop_variants():
     bit-identical); pairs change dV by < 3e-3 and leave dK, dV as close to the reference backward (fp32 products)
     as the plain loop. Dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups, 128-key programs; the
     peel and the loads ahead with three too).
-    Not packed batches: pairs and the peel are refused there (pairs' dV was wrong, run 1209). The differences
+    Not packed batches: pairs and the peel are refused there (odd query-tile counts break pairs). The differences
     are printed."""
     import triton
     if not triton.__version__.startswith("3.6"):
@@ -448,9 +450,9 @@ def test_hopper_packed(cu, D, tune):
         for name, opts in (("gluon", tune), ("triton", dict(hopper_packed=False))):
             K.TUNE.update(opts)
             try:  # the Gluon run must take the Gluon kernels, or the comparison proves nothing
-                assert K._fwd_hopper(D, **{k_: case[k_] for k_ in ("fp8", "dqk", "dv", "block", "varlen", "window",
+                assert KL._fwd_hopper(D, **{k_: case[k_] for k_ in ("fp8", "dqk", "dv", "block", "varlen", "window",
                                                                     "n", "m", "device", "packed")}) \
-                    == K._dkdv_hopper(D, **case) == K._dq_hopper(D, stale=False, **case) == (name == "gluon")
+                    == KL._dkdv_hopper(D, **case) == KL._dq_hopper(D, stale=False, **case) == (name == "gluon")
                 f = K.forward(q, k, v, **kw)
                 runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
             finally:
@@ -502,7 +504,7 @@ def test_fwd_hopper_kernel(stages, wgs64, wgs128):
         for name, on in (("triton", False), ("gluon", True)):
             K.TUNE.update(tune, fwd_hopper=on)
             try:  # the Gluon run must not fall back to Triton, or the comparison proves nothing
-                assert K._fwd_hopper(D, fp8=True, dqk=D, dv=D, block=128, varlen=False, window=None, n=N, m=N,
+                assert KL._fwd_hopper(D, fp8=True, dqk=D, dv=D, block=128, varlen=False, window=None, n=N, m=N,
                                      device=q.device) == on
                 outs[name] = K.forward(q, k, v, **kw)
             finally:
@@ -517,7 +519,7 @@ def test_fwd_hopper_kernel(stages, wgs64, wgs128):
 
 @pytest.mark.parametrize("dkdv", [(8, 1), (8, 2)])
 def test_head_dim_256_configs_and_split_dkdv(dkdv):
-    """D > 128 with the launch configs timed in run 2137 and dK/dV split into a dV and a dK launch (TUNE
+    """D > 128 with the launch configs timed on the H200 and dK/dV split into a dV and a dK launch (TUNE
     dkdv_split): the same tolerances, causal and full, GQA, MLA's 192/128, and the stale delta."""
     K.TUNE.update(fwd=(64, 8, 3), dq=(128, 8, 1), dkdv=dkdv, dkdv_split=True)
     try:
@@ -581,7 +583,7 @@ def test_tokens_outside_sequences_are_zero_and_tma_matches_pointers():
             # the Triton kernels' two paths (the Gluon ones take packed batches by default: test_hopper_packed)
             K.TUNE.update(fwd_tma=tma, dq_tma=tma, dkdv_tma=tma, hopper_packed=False)
             try:
-                assert K._seq_info(q, k, cu, cu)[5]
+                assert KO._seq_info(q, k, cu, cu)[5]
                 out = K.forward(q, k, v, **kw)[:2]
                 grads = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:

@@ -118,3 +118,33 @@ def test_default_template_ships_in_the_package():
     assert model_card.DEFAULT_TEMPLATE.is_file() and pkg in model_card.DEFAULT_TEMPLATE.parents
     data = tomllib.loads((pkg.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert model_card.DEFAULT_TEMPLATE.name in data["hf_deltamatch.eval"]
+
+
+def test_example_card_is_the_card_of_its_committed_run(tmp_path):
+    """model_cards/dense-small-fp8-matching is `hf-deltamatch card` of a committed H200 run and its RULER results
+    (the command in model_cards/README.md): regenerated, it is the committed card, and its metadata is what the
+    Hub accepts (huggingface_hub's parser; model-index round-trips through EvalResult)."""
+    import yaml
+    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub.repocard_data import eval_results_to_model_index
+
+    root = Path(__file__).resolve().parent.parent
+    example = root / "model_cards" / "dense-small-fp8-matching"
+    assert card_main([str(root / "recipes/results/2026-11-29-h200-dense-small/runs/fp8-matching"),
+                      "--eval", str(root / "eval/results/2026-11-29-h200-ruler-8k/ruler-deltamatch_fp8-results.json"),
+                      "--output", str(tmp_path), "--name", example.name]) == 0
+    assert (tmp_path / "README.md").read_text() == (example / "README.md").read_text(), (
+        "the example card is stale: regenerate it with the command in model_cards/README.md")
+    assert (example / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    card = ModelCard.load(example / "README.md")
+    meta = yaml.safe_load((example / "README.md").read_text().split("---\n")[1])
+    assert card.data.model_name == example.name and card.data.license == "apache-2.0"
+    assert card.data.pipeline_tag == "text-generation" and "deltamatch_fp8" in card.data.tags
+    results = card.data.eval_results
+    assert len(results) == 12  # 11 RULER tasks at 8K (qa_1/qa_2 need SQuAD/HotpotQA files) and their average
+    assert eval_results_to_model_index(example.name, results) == meta["model-index"]
+    assert ModelCardData(**meta).to_dict() == card.data.to_dict()
+    text = card.text
+    assert "| parameters | 41,953,792 |" in text and "| optimizer steps | 234 |" in text  # model_config.json, summary
+    assert "| **average** (11/13) | **0.00** |" in text

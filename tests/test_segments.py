@@ -4,7 +4,8 @@ it runs on the CPU; the kernels that read it are tested on the GPU (tests/test_k
 import pytest
 import torch
 
-K = pytest.importorskip("hf_deltamatch.kernels")
+pytest.importorskip("hf_deltamatch.kernels")
+from hf_deltamatch.kernels import ops as KO  # noqa: E402
 from hf_deltamatch.kernels import segments as S  # noqa: E402
 
 
@@ -13,7 +14,7 @@ def test_padded_layout_rows():
     sequence (before cu[0], from cu[-1] on) have no row."""
     cu = torch.tensor([3, 8, 8, 143, 303], dtype=torch.int32)  # lengths 5, 0, 135, 160
     z = torch.zeros(1, 1, 320, 16)
-    nseq, max_n, _, cu_q, _, _, packing = K._seq_info(z, z, cu, cu)
+    nseq, max_n, _, cu_q, _, _, packing = KO._seq_info(z, z, cu, cu)
     assert (nseq, max_n, packing) == (4, 160, (3, 303, 128 + 256 + 256))
     seg = S.padded_layout(cu_q, *packing)
     assert seg.pcu.tolist() == [0, 128, 128, 384, 640]
@@ -25,7 +26,7 @@ def test_padded_layout_rows():
     # a key sequence that differs from the query one: no packing (the Gluon kernels need self-attention)
     other = cu.clone()
     other[2] += 1
-    assert K._seq_info(z, z, cu, other)[6] is None
+    assert KO._seq_info(z, z, cu, other)[6] is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float32, torch.bfloat16])
@@ -34,7 +35,7 @@ def test_pad_copies_every_token_and_fills_the_rest(dtype):
     cu = torch.tensor([0, 70, 70, 300], dtype=torch.int32)
     N = 310  # tokens 300 .. 309 belong to no sequence
     z = torch.zeros(1, 1, N, 16)
-    seg = S.padded_layout(cu, *K._seq_info(z, z, cu, cu)[6])
+    seg = S.padded_layout(cu, *KO._seq_info(z, z, cu, cu)[6])
     assert seg.npad == 128 + 256
     x = torch.randn(1, 3, N, 16, generator=g).to(dtype)
     y = S.pad(x, seg)
@@ -62,7 +63,7 @@ def test_quantize_by_tile_list_equals_the_sequence_grid():
     cu = torch.tensor([3, 5, 5, 140, 300], dtype=torch.int32)
     x = torch.randn(1, 2, 310, 64, generator=g).to(torch.bfloat16)
     z = torch.zeros(1, 1, 310, 16)
-    seg = S.padded_layout(cu, *K._seq_info(z, z, cu, cu)[6])
+    seg = S.padded_layout(cu, *KO._seq_info(z, z, cu, cu)[6])
     a = quantize(x, 128, cu_seqlens=cu, max_len=160, transposed=True)
     b = quantize(x, 128, cu_seqlens=cu, max_len=160, transposed=True, segments=seg)
     for u, v in zip(a, b):
@@ -81,7 +82,7 @@ def test_quantize_padded_equals_quantize_then_pad(fmt):
     cu = torch.tensor([3, 8, 8, 143, 303], dtype=torch.int32)  # lengths 5, 0, 135, 160; tokens outside on both ends
     x = torch.randn(1, 2, 310, 64, generator=g).to(torch.bfloat16) * 3
     z = torch.zeros(1, 1, 310, 16)
-    seg = S.padded_layout(cu, *K._seq_info(z, z, cu, cu)[6])
+    seg = S.padded_layout(cu, *KO._seq_info(z, z, cu, cu)[6])
     y, _, scale = quantize(x, 128, fmt, cu_seqlens=cu, max_len=160)
     want = (S.pad(y, seg), token_major(y, k_order=True, src=seg.src), S.pad(scale, seg, 1.0))
     (py_, ps_), got = quantize_padded(x, seg, fmt, row_major=True, token_major=True)

@@ -67,7 +67,7 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
     """The Gluon kernels (kernels/*_hopper.py: forward, dQ, dK/dV; dense causal and packed batches, and the full
     mask, where dQ's second pass is pipelined and dK/dV takes its tiles in pairs) compile for sm_90
     with the installed Triton (3.6's Gluon API or the renamed one since): no spills and no serialized wgmmas, the
-    properties their speed on the H200 rests on (NOTES.md). One known exception: with Triton 3.9 the
+    properties their speed on the H200 rests on (docs/kernels.md). One known exception: with Triton 3.9 the
     three-warpgroup forward at D=128 spills (16 bytes dense, 136 packed); it compiles clean with 3.6, the only
     Triton the Gluon kernels run with (launch._hopper_case), and the bound keeps the 3.9 spill from growing unseen."""
     import triton

@@ -2,7 +2,7 @@
 
 Reads what ``recipes/pretrain.py`` leaves in a run directory -- ``config.yaml`` (the recipe),
 ``summary.json`` (steps, tokens, losses), ``metrics.jsonl`` (loss curve), ``final/config.json``
-(the model) -- plus one or more lm-eval results files (``hf-deltamatch eval --output_path``), and
+(the model; ``model_config.json`` in a results folder that keeps no weights) -- plus one or more lm-eval results files (``hf-deltamatch eval --output_path``), and
 writes ``README.md`` with YAML metadata (``model-index`` built with huggingface_hub's
 ``EvalResult``) and ``loss_curve.png``. The card is re-read with ``ModelCard.load`` before
 returning, so a card that the Hub would reject is never left behind silently.
@@ -63,6 +63,8 @@ def read_run(run_dir: Path) -> RunInfo:
     if (run_dir / "metrics.jsonl").is_file():
         metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     model_config = json.loads((model_dir / "config.json").read_text()) if model_dir else {}
+    if not model_config and (run_dir / "model_config.json").is_file():  # a committed run keeps no weights, only this
+        model_config = json.loads((run_dir / "model_config.json").read_text())
     if not (recipe or summary or metrics or model_config):
         raise CardError(f"{run_dir} has none of config.yaml, summary.json, metrics.jsonl, final/config.json: "
                         "is it a training run directory (recipes/pretrain.py --output_dir)?")

@@ -114,7 +114,7 @@ def wait_turn(WG: gl.constexpr):
     """FA3's ping-pong of two MMA warpgroups: block until it is warpgroup WG's turn to issue its MMAs. Hardware
     named barriers 14 (warpgroup 0's turn) and 15 (1's), 256 threads each: WG's 128 threads sync there and the
     other warpgroup's 128 arrive (pass_turn). mbarriers would do the same through shared memory, at a higher
-    latency (session 9's forward ping-pong used them). Ids 0-2 are Triton's own (warp_specialize, arrive)."""
+    latency (an mbarrier ping-pong of the forward was slower). Ids 0-2 are Triton's own (warp_specialize, arrive)."""
     if WG == 0:
         _per_thread("bar.sync 14, 256;")
     else:

@@ -16,7 +16,7 @@ Kernel 2, `_bwd_dkdv_kernel`, one program per key tile per KV head, looping over
   alone (PART 2), so a program holds one BLOCK_N x D accumulator, not two (launch.DKDV_SPLIT_ABOVE).
 Everything is deterministic (dQ is written once by its owner), so config.deterministic costs nothing.
 FP8 operands contracted over tokens (dO and q in kernel 2, k in kernel 1) are read from (D, N) copies
-(tokens contiguous) so every FP8 matmul gets K-major operands. TMA=True (kernels._use_tma): those tiles come
+(tokens contiguous) so every FP8 matmul gets K-major operands. TMA=True (launch._use_tma): those tiles come
 through tensor descriptors (see _tile for the rows they read past a sequence).
 """
 

@@ -7,7 +7,7 @@ padded to multiples of 128 rows by kernels.segments, LSE2, delta and the dS scal
 dK, dV to the packed rows).
 
 Why a second dK/dV kernel: Triton compiles `_bwd_dkdv_kernel` into one stream in which both warpgroups meet
-at CTA barriers for every query tile and ptxas serializes its wgmmas (NOTES.md, lever 4); the softmax of one
+at CTA barriers for every query tile and ptxas serializes its wgmmas (docs/kernels.md); the softmax of one
 tile then never overlaps an MMA. Here
   - a 1-warp partition (`_loader`) loads k, v once and then streams q8, q8^T, dO8, dO8^T tiles through a ring
     of STAGES buffers with TMA, paced by mbarriers (ready: bytes landed; empty: both consumers done);
@@ -32,7 +32,7 @@ tile ahead (always with GQA). Which combination runs where is launch._dkdv_hoppe
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dkdv_kernel` (tests/test_kernels_gpu.py).
 
 dQ is not added up here (FlashAttention's way) but in the dQ kernel's second pass: the fp32 reduce-adds of dQ
-partials into global memory made this kernel slower than that pass (NOTES.md, session 10).
+partials into global memory made this kernel slower than that pass (docs/kernels.md).
 """
 
 from triton.experimental import gluon
@@ -111,7 +111,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
     s_acc = warpgroup_mma_wait(1 + PIPE, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
     # LSE2 and delta came with the tile (TMA) and are read where needed: per-thread loads of them, held
-    # across the MMA waits, cost 32 registers and spills (dK/dV 1.83 -> 1.55 ms, H200 run 0023)
+    # across the MMA waits, cost 32 registers and spills (the kernel 1.18x slower on the H200)
     lse2 = lse_smem.index(s).load(col_layout)
     # P^T * 256 (the static scale is in LSE2); the mask on P, not on S^T, so that the scale and LSE2 fuse
     # into one FFMA per score on every tile
@@ -122,7 +122,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             p256 = gl.where(keys[:, None] <= cols[None, :], p256, 0.0)
     # RESCALE_DV False (launch.DKDV_HOPPER_PAIRS): c_dv / cv is 1 up to the division's rounding, yet dV then differs
     # from _bwd_dkdv_kernel's by up to 1.4e-3 (slightly closer to the reference); a runtime skip with three warpgroups
-    # made the kernel slower at D=64 (run 0156: 12 %; run 1108: 1.76 -> 1.82 ms)
+    # made the kernel slower at D=64 (1.03-1.12x its time)
     cv = sdo_t * (1.0 / 256.0)
     if RESCALE_DV:
         dv = dv * (c_dv / cv)
@@ -152,7 +152,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
         # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
         # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
-        # in flight into the second spilled and were slower (1.83 -> 3.66 ms, run 0022)
+        # in flight into the second spilled and were slower (2x the kernel's time)
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv
 
@@ -275,8 +275,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             first = WG
         first = gl.where(kb < key_end, first, n_q)
     # AHEAD (always with GQA; where else: launch.DKDV_HOPPER_AHEAD): the query tiles' scales loaded a tile ahead
-    # (ncu run 0733: the warps waited on these L2 loads under the MMAs) and the tile's head and row counted up (no
-    # integer division per tile): GQA 1.528 -> 1.446 ms (run 0744).
+    # (Nsight Compute: the warps waited on these L2 loads under the MMAs) and the tile's head and row counted up (no
+    # integer division per tile): GQA 0.95x the kernel's time.
     g = 0
     i = 0
     SQ_G = SQ  # AHEAD: at the group's first tile

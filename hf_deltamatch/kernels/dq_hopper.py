@@ -74,7 +74,7 @@ def _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV, kv
     """Key tile j (sk_t, sv_t: its scales), its S and dP MMAs issued (then PENDING more): P = exp2(S * s_f - LSE2),
     masked on the diagonal tile, dP unscaled and its scale. Also returns the next key tile's scales (WRAP: after
     the last, the first's), loaded under the MMAs: read in the tile they were loaded for, they left the warps
-    waiting on L2 (ncu run 0733)."""
+    waiting on L2 (Nsight Compute)."""
     s_f = row_f * sk_t
     dpf = dp_f * sv_t
     if WRAP:

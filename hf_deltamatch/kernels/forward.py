@@ -12,7 +12,7 @@ fp8: S = (q8 @ k8^T) * sq * sk * softmax_scale; P8 = e4m3(P * 256); O += (P8 @ v
 accumulator carries a running scale (the last tile's sv / 256), so the MMA accumulates in place instead of
 into a second fp32 tile (which spilled). v8 is read from a (D, M) copy (tokens contiguous): the FP8 P @ V
 needs a K-major B operand (row-major V made Triton transpose through registers, 2.7x slower: ANCHORS.md).
-TMA=True (fp8, kernels._use_tma): q8, k8, v8 come through tensor descriptors over 2-D views instead of
+TMA=True (fp8, launch._use_tma): q8, k8, v8 come through tensor descriptors over 2-D views instead of
 masked pointer loads (6-11 % faster on the H200; no masks on loads, the score masks do that work).
 WAIT_MMA / ASM_SCALES (all three kernels): whether a loop waits on its accumulating MMA inside the iteration
 (_mma_done) and reads its per-tile scales through inline PTX (_scale); launch.py chooses, per kernel and head dim.

@@ -18,10 +18,9 @@ FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 # Whether _quantize_kernel writes the token-major copy itself (one pass over the input). Triton 3.9 compiles that
 # second store wrongly for sm_90 on dense batches (the forward's v8t came out as garbage or NaN on the H200 while
-# the row-major store, varlen batches and _token_major_kernel were right: GPU tests and probe, runs 2016 and 2021),
-# so with any Triton but the 3.6 that the GPU tests passed with, the copy is made by _token_major_kernel instead
-# (GPU tests 22/22 with Triton 3.9 then, run 2027; one more pass over the fp8 tensor, ~0.02 ms per tensor at
-# B=2, H=16, N=8192, D=128).
+# the row-major store, varlen batches and _token_major_kernel were right), so with any Triton but the 3.6 that
+# the GPU tests passed with, the copy is made by _token_major_kernel instead (the GPU tests pass with Triton 3.9
+# then; one more pass over the fp8 tensor, ~0.02 ms per tensor at B=2, H=16, N=8192, D=128).
 FUSED_TOKEN_MAJOR = triton.__version__.startswith("3.6.")
 
 

@@ -40,7 +40,7 @@ def padded_rows(lengths: torch.Tensor) -> torch.Tensor:
 def padded_layout(cu_seqlens: torch.Tensor, first: int, last: int, npad: int) -> Segments:
     """The padded layout of the packed batch cu_seqlens (int32, contiguous): first = cu_seqlens[0] and last =
     cu_seqlens[-1] (the tokens outside [first, last) belong to no sequence) and npad, its host-side values
-    (kernels._seq_info reads them with the batch's one host sync)."""
+    (ops._seq_info reads them with the batch's one host sync)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     pcu = torch.zeros_like(cu_seqlens)
     pcu[1:] = torch.cumsum(padded_rows(lengths), 0)

@@ -1,0 +1,422 @@
+"""Host side of the Triton kernels: sequence info, allocation, quantization passes and the launches of the forward,
+dQ and dK/dV kernels (Triton or Gluon, as launch.py chooses). The package's entry points (forward, backward,
+supports) are these functions; hf_deltamatch.kernels exports them.
+
+Saved tensors: q8/k8/v8 are plain contiguous (B, H, N, D) float8_e4m3fn tensors (row-major, same strides
+as torch.empty), scales contiguous (B, H, N) fp32. The token-major copies the FP8 matmuls want (v for the
+forward's P @ V; q, k, dO for the backward) are made on the fly and never saved, with token rows padded to
+16 bytes so that TMA tensor descriptors can cover them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._fp8 import FP8_MAX, INTERPRET
+from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
+from .forward import _fwd_kernel
+from .launch import (
+    _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
+    _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
+    DQ_HOPPER_WARPGROUPS, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid,
+    _use_tma, _wait_mma,
+)
+from .quantize import _fill_outside, quantize, quantize_padded, token_major
+from .._tensor_cache import TensorCache
+from .segments import ROW_ALIGN, pad, padded_layout, padded_rows
+
+__all__ = ["backward", "forward", "supports"]
+
+DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.DS_TILE_Q)
+
+# Triton versions tests/test_kernels_gpu.py passed with on the H200. Triton 3.9 computes wrong fp8 forward outputs
+# unless quantize.FUSED_TOKEN_MAJOR works around it. Any other version gets a warning on its first CUDA launch. The
+# Gluon kernels (fwd_hopper, dq_hopper, dkdv_hopper) run only with 3.6 (launch._hopper_case): with 3.9 the Triton
+# kernels run everywhere.
+GPU_TESTED_TRITON = ("3.6", "3.9")
+
+
+def _untested_triton(version: str) -> str | None:
+    """None for a Triton version the GPU tests passed with, else the warning's text."""
+    if ".".join(version.split(".")[:2]) in GPU_TESTED_TRITON:
+        return None
+    return (f"hf_deltamatch's Triton kernels passed their GPU tests with Triton {' and '.join(GPU_TESTED_TRITON)}, "
+            f"not yet with {version} (Triton 3.9 once compiled one of them wrongly): run "
+            "`pytest -m gpu tests/test_kernels_gpu.py` on this GPU before training, or use backend='reference'.")
+
+
+@functools.cache
+def _warn_untested_triton():
+    msg = _untested_triton(triton.__version__)
+    if msg:
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def supports(q, k, v, window, config) -> str | None:
+    """None if the Triton kernels run this input, else why not (one line)."""
+    if not (q.is_cuda or INTERPRET):
+        return "the Triton kernels need a CUDA device (or TRITON_INTERPRET=1)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q/k/v must all be bfloat16 or float16 (got {q.dtype}, {k.dtype}, {v.dtype})"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "q, k, v must be 4-D (B, H, N, D)"
+    dqk, dv = q.shape[-1], v.shape[-1]
+    for name, d in (("Dqk", dqk), ("Dv", dv)):
+        if d % 16 or d < 16 or d > 256:
+            return f"head dim {name}={d} is not supported (multiples of 16 up to 256)"
+    if k.shape[-1] != dqk:
+        return f"q and k head dims differ ({dqk} vs {k.shape[-1]})"
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        return f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]}, v {v.shape[1]})"
+    if config.block not in (64, 128):
+        return f"block={config.block} is not supported (64 or 128)"
+    if window is not None and window < 1:
+        return f"window={window} must be >= 1"
+    return None
+
+
+# _seq_info's varlen results and the padded layouts of packed batches, per cu_seqlens tensors (each is one host
+# sync to compute; a model's layers share their cu_seqlens)
+_SEQ_INFO = TensorCache()
+_LAYOUTS = TensorCache()
+
+
+def _layout(cu_seqlens, packing):
+    """segments.padded_layout of a packed batch (cu_seqlens as _seq_info returned it), from _LAYOUTS."""
+    return _LAYOUTS.get((cu_seqlens,), lambda: padded_layout(cu_seqlens, *packing))
+
+
+def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
+    """(nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, starts_aligned, packing) of the launch grids, the
+    cu_seqlens as contiguous int32 for the kernels; dense batches are one 'sequence' per batch row.
+    starts_aligned: every sequence starts at a multiple of 16 tokens (_use_tma). packing: for a varlen batch whose
+    query and key sequences are the same (self-attention), (first token, end token, rows of the padded layout)
+    for segments.padded_layout, else None. One host sync for a varlen batch the first time its cu_seqlens tensors
+    come (_SEQ_INFO), none for a dense one."""
+    if cu_seqlens_q is None:
+        return 1, q.shape[2], k.shape[2], None, None, True, None
+    return _SEQ_INFO.get((cu_seqlens_q, cu_seqlens_k), lambda: _varlen_info(cu_seqlens_q, cu_seqlens_k))
+
+
+def _varlen_info(cu_seqlens_q, cu_seqlens_k):
+    cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
+    cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
+    nseq = cu_seqlens_q.numel() - 1
+    if nseq < 1:
+        return 0, 0, 0, cu_seqlens_q, cu_seqlens_k, True, None
+    lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if cu_seqlens_k.shape == cu_seqlens_q.shape:
+        differ = (cu_seqlens_q != cu_seqlens_k).any()
+    else:
+        differ = torch.ones((), dtype=torch.bool, device=cu_seqlens_q.device)
+    lq, lk, rq, rk, first, last, npad, differ = torch.stack([x.long() for x in (
+        lengths.max(), (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max(),
+        (cu_seqlens_q[:-1] % 16).max(), (cu_seqlens_k[:-1] % 16).max(),
+        cu_seqlens_q[0], cu_seqlens_q[-1], padded_rows(lengths).sum(), differ)]).tolist()
+    packing = None if differ else (int(first), int(last), int(npad))
+    return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0, packing
+
+
+def _quantize_segments(cu_seqlens, packing, block):
+    """quantize's `segments` for a packed self-attention batch (its padded layout: one program per 128-token tile),
+    else None (the grid then covers the longest sequence's tiles for every sequence)."""
+    return _layout(cu_seqlens, packing) if packing is not None and block == ROW_ALIGN else None
+
+
+def _packed(packing, B: int, causal: bool, window) -> bool:
+    """Whether a varlen batch is one the Gluon kernels can take padded (launch._hopper_case's `packed`): the same
+    query and key sequences (_seq_info's packing) with a token, one batch row, causal, no window."""
+    return packing is not None and packing[2] > 0 and B == 1 and bool(causal) and window is None
+
+
+def _desc(x, tokens: int, dims: int):
+    """TMA descriptor over a 2-D view of x (B, H, N, D), boxes of `tokens` x `dims` elements: (B*H*N, D) for
+    our contiguous row-major tensors, (B*H*D, N) for a token-major view of (B, H, D, N16) storage (boxes then
+    `dims` x `tokens`, read transposed by _tile)."""
+    B, H, N, D = x.shape
+    if x.stride(2) == 1:  # token-major
+        return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], [dims, tokens])
+    return TensorDescriptor(x, [B * H * N, D], [D, 1], [tokens, dims])
+
+
+def _s4(t):
+    return t.stride() if t is not None else (0, 0, 0, 0)
+
+
+def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, config):
+    B, Hq, N, dqk = q.shape
+    _, Hkv, M, dv = v.shape
+    fp8 = config.precision == "fp8"
+    T = config.block
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(dqk)
+    varlen = cu_seqlens_q is not None
+    _check_tune()
+    if q.is_cuda and not INTERPRET:
+        _warn_untested_triton()
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
+    seg = _quantize_segments(cu_seqlens_q, packing, T)
+    qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q, segments=seg)
+    kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k, segments=seg)
+    d = max(dqk, dv)
+    packed = _packed(packing, B, causal, window)
+    hopper = fp8 and _fwd_hopper(d, fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen,
+                                 window=window if causal else None, n=N, m=M, device=q.device, packed=packed)
+    if fp8 and hopper and varlen:
+        # a packed batch: quantized once into the packed tensors the backward keeps and into the padded layout
+        # that the Gluon forward reads (segments.py; cu_seqlens_k is cu_seqlens_q there), its V token-major
+        pw = dict(segments=seg, rounding=config.scale_rounding)
+        (q8, sq), (q8p, _, sqp) = quantize_padded(q, **pw)
+        (k8, sk), (k8p, _, skp) = quantize_padded(k, **pw)
+        (v8, sv), (_, v8tp, svp) = quantize_padded(v, row_major=False, token_major=True, **pw)
+    elif fp8:
+        q8, _, sq = quantize(q, **qkw)
+        k8, _, sk = quantize(k, **kvw)
+        # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
+        v8, v8t, sv = quantize(v, transposed=True, k_order=hopper, **kvw)
+        qa, ka, va = q8, k8, v8t  # the forward reads V token-major (K-major B operand of P8 @ V)
+    else:
+        q8, k8, v8 = (q.new_empty(0, dtype=torch.float8_e4m3fn) for _ in range(3))
+        sq, sk, sv = (q.new_empty(0, dtype=torch.float32) for _ in range(3))
+        qa, ka, va = q, k, v
+    # varlen: zeros (LSE -inf) for the tokens outside every sequence; the Gluon forward writes every token of a
+    # packed batch's sequences, so only the rows outside them are filled there
+    alloc = torch.zeros if varlen and not hopper else torch.empty
+    out = alloc((B, Hq, N, dv), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device) if varlen and not hopper \
+        else torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+    if varlen and hopper:
+        _fill_outside(out, seg, 0.0)
+        _fill_outside(lse, seg, float("-inf"))
+    if out.numel() == 0 or nseq == 0:
+        if not varlen:
+            lse.fill_(float("-inf"))
+            out.zero_()
+        return out, lse, q8, k8, v8, sq, sk, sv
+    if hopper:  # quantize() made q8, k8 contiguous
+        from .fwd_hopper import fwd_hopper
+        # a packed batch: its padded layout (segments.py); out and lse stay packed
+        ops = (q8p, k8p, v8tp, sqp, skp, svp) if varlen else (q8, k8, v8t, sq, sk, sv)
+        cfg = _fwd_hopper_cfg(d)
+        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq,
+                                          bool(causal))
+        fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
+                   head_group=head_group, segments=seg, **cfg)
+        return out, lse, q8, k8, v8, sq, sk, sv
+    tma = _use_tma("fwd", fp8, dqk, dv, aligned)
+    BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
+    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
+    if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
+        qa, ka, va = _desc(q8, BLOCK_M, bdqk), _desc(k8, T, bdqk), _desc(v8t, T, bdv)
+    dummy = lse
+    grid, n_tiles, head_group = _grid("fwd", triton.cdiv(max(max_n, 1), BLOCK_M), B * Hq, nseq, bool(causal))
+    _fwd_kernel[grid](
+        qa, ka, va, sq if fp8 else dummy, sk if fp8 else dummy, sv if fp8 else dummy, out, lse,
+        cu_seqlens_q, cu_seqlens_k,
+        *_s4(q8 if tma else qa), *_s4(k8 if tma else ka), *_s4(v8t if tma else va), *out.stride(),
+        Hq, Hkv, N, M, float(softmax_scale), int(window) if window is not None else 0, n_tiles, head_group,
+        GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
+        BLOCK_DQK=bdqk, BLOCK_DV=bdv,
+        CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
+        INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd", d), ASM_SCALES=_asm_scales("fwd", d),
+        num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
+    )
+    return out, lse, q8, k8, v8, sq, sk, sv
+
+
+def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, causal, softmax_scale, window,
+             cu_seqlens_q, cu_seqlens_k, config, return_row_sums: bool = False):
+    fp8 = config.precision == "fp8"
+    stale = config.delta == "stale"
+    T = config.block
+    dtype = do.dtype
+    qs, ks, vs = (q8, k8, v8) if fp8 else (q, k, v)
+    B, Hq, N, dqk = qs.shape
+    _, Hkv, M, dv = vs.shape
+    d = max(dqk, dv)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(dqk)
+    varlen = cu_seqlens_q is not None
+    _check_tune()
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
+    if stale and out is None:
+        raise ValueError("delta='stale' needs the forward output.")
+    lse = lse.contiguous()
+    dev = do.device
+    # the dQ kernels write delta for every query row of a dense batch; a varlen one's rows outside every sequence
+    # stay 0 (the Triton dK/dV kernel's tiles read them)
+    delta = (torch.zeros if varlen else torch.empty)((B, Hq, N), dtype=torch.float32, device=dev)
+    lse2_in, p_shift = _dkdv_lse2(d), _dkdv_p_shift(d, fp8)
+    lse2 = torch.empty((B, Hq, N), dtype=torch.float32, device=dev) if lse2_in else delta  # written by dQ
+    rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
+    ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
+    # the Gluon kernels (dkdv_hopper, dq_hopper) where they apply; both take the dS scales from the dQ kernel
+    # packed batches: not with the invariant's row sums (the dQ kernel would write them padded)
+    case = dict(fp8=fp8, e4m3=config.grad_format == "e4m3", dqk=dqk, dv=dv, block=T, varlen=varlen,
+                window=window if causal else None, n=N, m=M, device=do.device, lse2_in=lse2_in, p_shift=p_shift,
+                packed=_packed(packing, B, causal, window) and not return_row_sums)
+    case_ok = fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
+    hopper = case_ok and _dkdv_hopper(d, **case)
+    hopper_dq = case_ok and _dq_hopper(d, stale=stale, **case)
+    if varlen and not (hopper and hopper_dq):  # packed, the two hand each other padded rows: both or neither
+        hopper = hopper_dq = False
+    # varlen: zeros for the tokens outside every sequence (and the keys a Triton dK/dV program skips); the Gluon
+    # kernels write every token of a packed batch's sequences, so only the rows outside them are zeroed there
+    packed_gluon = varlen and hopper and fp8
+    alloc = torch.zeros if varlen and not packed_gluon else torch.empty
+    dq = alloc((B, Hq, N, dqk), dtype=dtype, device=dev)
+    dk = (torch.zeros if N == 0 else alloc)((B, Hkv, M, dqk), dtype=dtype, device=dev)
+    dv_ = (torch.zeros if N == 0 else alloc)((B, Hkv, M, dv), dtype=dtype, device=dev)
+    if packed_gluon:
+        for t in (dq, dk, dv_):
+            _fill_outside(t, _layout(cu_seqlens_q, packing), 0.0)
+    ds_scales = (_dkdv_ds_scales(d, fp8, Hq != Hkv) or hopper or hopper_dq) and N > 0 and M > 0
+    kv_n = _dkdv_block_n(T, d, ds_scales)
+    # one scale per dS tile (DS_TILE_Q queries x T keys), written by the dQ kernel for the dK/dV kernel; rows per
+    # head: backward._dss_row's bound N // DS_TILE_Q + nseq. Ones: a tile the dQ kernel skips is all masked, and 1
+    # is what tile_scale gives an all-zero tile.
+    dss_tq, dss_tk = (N // DS_TILE_Q + nseq, triton.cdiv(max_m, T)) if ds_scales else (0, 0)
+    dss = torch.ones((B * Hq, dss_tq, dss_tk), dtype=torch.float32, device=dev) if ds_scales else delta
+
+    def _ret():
+        grads = (dq, dk, dv_)
+        return (*grads, rs, ra) if return_row_sums else grads
+
+    if B * Hq == 0 or nseq == 0 or (N == 0 and M == 0):
+        return _ret()
+    # Token-major copies are made right before the kernel that reads them and dropped after it (k8t for the dQ
+    # kernel, q8t for the dK/dV kernel), but for dO8's, written by dO's quantization pass: at most two 1-byte
+    # copies are alive at once.
+    k8t = q8t = do8t = None
+    if fp8 and varlen and hopper:
+        _backward_packed(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, _layout(cu_seqlens_q, packing),
+                         softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq)
+        return _ret()
+    if fp8:
+        do8, do8t, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
+                                  transposed=M > 0 and max_m > 0, k_order=hopper,
+                                  segments=_quantize_segments(cu_seqlens_q, packing, T))
+        sq, sk, sv = q_scale, k_scale, v_scale
+        doa = do8
+    else:
+        doa = do
+        sq = sk = sv = sdo = delta  # unused
+    dq_m, dq_w, dq_s, kv_w, kv_s = _bwd_launch_cfg(dqk, dv, fp8, kv_n, T)
+    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
+    common = dict(DQK=dqk, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
+                  CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
+                  FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
+                  POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
+    win = int(window) if window is not None else 0
+    # the descriptors below assume the saved q8/k8/v8 are contiguous, as forward() makes them
+    aligned = aligned and fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
+    dq_tma = _use_tma("dq", fp8, dqk, dv, aligned)
+    kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned)
+    if N > 0 and max_n > 0:
+        ka, kta, va = ks, ks, vs
+        if fp8:
+            k8t = kta = token_major(k8, k_order=hopper_dq)  # the Gluon kernels' B operands: fp8_operand
+        if hopper_dq:
+            from .dq_hopper import dq_hopper
+            grid, n_tiles, head_group = _grid("dq", _blocks(N, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, bool(causal))
+            dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, causal=causal,
+                      softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
+                      head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
+                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums,
+                      **_dq_hopper_cfg(d, bool(causal)))
+        else:
+            if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
+                ka, kta, va = _desc(k8, T, bdqk), _desc(k8t, T, bdqk), _desc(v8, T, bdv)
+            o_arg = out if stale else do
+            grid, n_tiles, head_group = _grid("dq", triton.cdiv(max_n, dq_m), B * Hq, nseq, bool(causal))
+            _bwd_dq_kernel[grid](
+                qs, ka, kta, va, doa, sq, sk, sv, sdo, lse, do, o_arg, dq, delta, lse2, rs, ra, dss,
+                cu_seqlens_q, cu_seqlens_k,
+                *qs.stride(), *ks.stride(), *_s4(k8t if k8t is not None else ks), *vs.stride(), *doa.stride(),
+                *do.stride(),
+                *o_arg.stride(), *dq.stride(),
+                Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group, dss_tq, dss_tk,
+                GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums,
+                DS_Q=DS_TILE_Q, ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", d),
+                ASM_SCALES=_asm_scales("dq", d), SCALE_AFTER_SUM=_scale_after_sum(d), LSE2_OUT=lse2_in,
+                P_SHIFT=p_shift, DSS_OUT=ds_scales, num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
+            )
+    k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
+    if M > 0 and max_m > 0:
+        qa, qta, doa_, dota = qs, qs, doa, doa
+        if fp8:
+            q8t = qta = token_major(q8, k_order=hopper)
+            dota = do8t
+        if hopper:
+            from .dkdv_hopper import dkdv_hopper
+            cfg = _dkdv_hopper_cfg(d, causal=bool(causal), groups=Hq // Hkv, packed=False)
+            grid, n_tiles, head_group = _grid("dkdv", _blocks(M, cfg["warpgroups"]), B * Hkv, nseq, bool(causal))
+            dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
+                        softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
+                        head_group=head_group, **cfg)
+            return _ret()
+        if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
+            qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
+            doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
+        grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, kv_n), B * Hkv, nseq, bool(causal))
+        for part in _dkdv_parts(d):
+            _bwd_dkdv_kernel[grid](
+                qa, qta, ks, vs, doa_, dota,
+                sq, sk, sv, sdo, lse2 if lse2_in else lse, delta, dss, dk, dv_, cu_seqlens_q, cu_seqlens_k,
+                *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
+                *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
+                Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group, dss_tq, dss_tk,
+                # a dS quantization tile is DS_TILE_Q queries x the block's keys (the contract): a key tile smaller
+                # than the block (kv_n) reads the tile's scale from the dQ kernel (launch._dkdv_block_n)
+                GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=kv_n, DS_K=T, TMA=kv_tma,
+                WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in,
+                P_SHIFT=p_shift, PART=part, DSS_IN=ds_scales, FOLD=_dkdv_fold_ds_scale(d, ds_scales),
+                num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
+            )
+    return _ret()
+
+
+def _blocks(n, warpgroups):
+    """A Gluon kernel's programs over n rows (queries or keys): 64 per MMA warpgroup."""
+    return triton.cdiv(max(n, 1), 64 * warpgroups)
+
+
+def _backward_packed(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n, nseq):
+    """The backward of a packed batch through the Gluon kernels (backward() checked the case): every input copied
+    into seg's padded layout (segments.py: LSE padded with -inf, so a padded row's P is 0; dO quantized straight
+    into it), dq, dk, dv written to their packed rows. LSE2, delta and the dS scales stay in the padded layout
+    between the two kernels."""
+    from .dkdv_hopper import dkdv_hopper
+    from .dq_hopper import dq_hopper
+    B, Hq, _, D = q8.shape
+    Hkv = k8.shape[1]
+    # dO8 token-major is alive from here, k8t only for the dQ kernel and q8t only for the dK/dV one: two 1-byte
+    # token-major copies at a time, as in backward()
+    _, (do8, do8t, sdo) = quantize_padded(do, seg, config.grad_format, config.scale_rounding, packed=False,
+                                          token_major=True)
+    k8t = token_major(k8, k_order=True, src=seg.src)  # padded straight from the packed tensors
+    q8_ = q8
+    q8, k8, v8 = (pad(x, seg) for x in (q8, k8, v8))
+    sq, sk, sv = (pad(s, seg, 1.0) for s in (sq, sk, sv))
+    lse = pad(lse, seg, float("-inf"))
+    rows = dict(dtype=torch.float32, device=q8.device)
+    delta, lse2 = torch.empty((B, Hq, seg.npad), **rows), torch.empty((B, Hq, seg.npad), **rows)
+    dss_tq, dss_tk = seg.npad // DS_TILE_Q, seg.npad // config.block
+    dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
+    common = dict(causal=True, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
+    grid, n_tiles, head_group = _grid("dq", _blocks(max_n, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, True)
+    dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
+              n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
+              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg(D, True))
+    del k8t
+    q8t = token_major(q8_, k_order=True, src=seg.src)
+    cfg = _dkdv_hopper_cfg(D, causal=True, groups=Hq // Hkv, packed=True)
+    grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, True)
+    dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
+                head_group=head_group, **common, **cfg)
