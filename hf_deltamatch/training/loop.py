@@ -411,10 +411,21 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def main(argv: list[str] | None = None, base: dict | None = None, description: str | None = None) -> int:
+    from .config import build_parser
+    from .sweep import parse_seeds, run_seeds
+
     try:
         cfg = parse_config(argv, base=base, description=description)
-        summary = train(cfg)
+        seeds_arg = build_parser().parse_known_args(argv)[0].seeds
+        if seeds_arg is not None:
+            try:
+                seeds = parse_seeds(seeds_arg)
+            except ValueError as e:
+                raise ConfigError(str(e))
+            summaries = run_seeds(cfg, seeds)
+        else:
+            summaries = [train(cfg)]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 130 if summary.get("interrupted") else 0
+    return 130 if summaries[-1].get("interrupted") else 0
