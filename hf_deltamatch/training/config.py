@@ -47,7 +47,7 @@ class TrainConfig:
     model: str | None = None  # local checkpoint dir (continued pretraining); None = from scratch
     model_config: Any = dataclasses.field(default_factory=lambda: dict(TINY_CPU_MODEL))  # dict or YAML/JSON path
     attn: str = "deltamatch_fp8"
-    precision: str = "fp8"  # deltamatch_fp8 only: fp8 | bf16
+    precision: str = "fp8"  # deltamatch_fp8 only: fp8 | bf16 | fp8_fwd | fp8_bwd (ablations: modeling.SPLIT_PRECISION)
     delta: str = "matching"  # deltamatch_fp8 only: matching | stale
     fp8_linear: bool = False  # torchao float8 training for nn.Linear (FP8 tensor cores on H100/H200; CPU emulates)
     gradient_checkpointing: bool = False
@@ -226,8 +226,9 @@ def validate(cfg: TrainConfig) -> None:
                 err.append(f"deltamatch_fp8 needs head_dim % 16 == 0; model_config gives head_dim {hd}.")
     if cfg.attn not in ATTN_CHOICES:
         err.append(f"--attn {cfg.attn!r}: choose one of {list(ATTN_CHOICES)}.")
-    if cfg.precision not in ("fp8", "bf16"):
-        err.append(f"--precision {cfg.precision!r}: choose fp8 or bf16.")
+    if cfg.precision not in ("fp8", "bf16", "fp8_fwd", "fp8_bwd"):
+        err.append(f"--precision {cfg.precision!r}: choose fp8 or bf16 (or the ablations fp8_fwd: fp8 forward with "
+                   "bf16 backward, fp8_bwd: bf16 forward with fp8 backward).")
     if cfg.delta not in ("matching", "stale"):
         err.append(f"--delta {cfg.delta!r}: choose matching or stale.")
     if cfg.optimizer not in ("adamw", "muon"):
