@@ -335,8 +335,11 @@ def format_tables(report: dict) -> str:
     for r in report["layers"]:
         t2.append(f"{r['layer']:>5} | " + " | ".join(
             " ".join(f"{r['modes'][m][g]:>6.3f}" for m in MODES) for g in ("err_dq", "err_dk", "err_dv")))
-    worst = max(report["layers"], key=lambda r: r["modes"]["fp8-stale"]["err_dq"] / r["modes"]["fp8-matching"]["err_dq"])
-    ratio = worst["modes"]["fp8-stale"]["err_dq"] / worst["modes"]["fp8-matching"]["err_dq"]
+    def ratio_of(r):
+        return r["modes"]["fp8-stale"]["err_dq"] / r["modes"]["fp8-matching"]["err_dq"]
+
+    worst = max(report["layers"], key=ratio_of)
+    ratio = ratio_of(worst)
     bad = sum(m["nonfinite"] for r in report["layers"] for m in r["modes"].values())
     tail = (f"largest stale/matching dQ error ratio: {ratio:.2f}x at layer {worst['layer']} "
             f"(sink mass {worst['sink_mass']:.3f}); non-finite gradient entries: {bad}")

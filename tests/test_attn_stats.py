@@ -40,8 +40,14 @@ def _run(model, batch, monitor=None):
     return loss.detach(), grads, (monitor.collect() if monitor is not None else None)
 
 
-def test_monitor_measures_the_models_attention(sink_model):
+@pytest.mark.parametrize("rows", [256, 16])
+def test_monitor_measures_the_models_attention(sink_model, rows, monkeypatch):
+    """rows=16: each document measured on its last 16 query rows only (ROWS), against all its keys."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_deltamatch.training import attn_stats
+
+    monkeypatch.setattr(attn_stats, "ROWS", rows)
 
     model = AutoModelForCausalLM.from_pretrained(sink_model, attn_implementation="sdpa", dtype=torch.bfloat16)
     batch = _packed_batch(AutoTokenizer.from_pretrained(sink_model))
@@ -113,8 +119,9 @@ def test_recipe_without_attn_stats_writes_none(tmp_path):
     assert not [r for r in metrics(tmp_path / "run") if r["kind"] == "attn"] and s["attn_stats_s"] is None
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("split", ["fp8_fwd", "fp8_bwd"])
-def test_split_precision_ablation(split):
+def test_split_precision_ablation(split, device):
     """fp8_fwd: the output of the fp8 op, the gradient of the bf16 op; fp8_bwd: the other way round."""
     import hf_deltamatch
     from hf_deltamatch.training.config import TrainConfig
@@ -128,8 +135,8 @@ def test_split_precision_ablation(split):
     module = torch.nn.Module().eval()
     module.is_causal = True
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 128, 32, generator=g).to(torch.bfloat16) for h in (4, 2, 2))
-    do = torch.randn(1, 128, 4, 32, generator=g).to(torch.bfloat16)
+    q, k, v = (torch.randn(1, h, 128, 32, generator=g).to(device, torch.bfloat16) for h in (4, 2, 2))
+    do = torch.randn(1, 128, 4, 32, generator=g).to(device, torch.bfloat16)
 
     def run(fn):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -146,3 +153,19 @@ def test_split_precision_ablation(split):
     assert torch.equal(out, ref[fwd][0]) and not torch.equal(out, ref[bwd][0])
     for a, b, c in zip(grads, ref[bwd][1], ref[fwd][1]):
         assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.gpu
+def test_recipe_attn_stats_on_gpu(tmp_path):
+    """The monitor around the Triton kernels (head_dim 64) in a CUDA training run."""
+    from _recipe_helpers import TINY_MODEL
+
+    corpus = write_corpus(tmp_path / "c.jsonl", n_docs=80)
+    model = {**TINY_MODEL, "head_dim": 64}
+    for delta in ("matching", "stale"):
+        out = tmp_path / delta
+        run_inprocess(tiny_args(tmp_path, corpus, attn="deltamatch_fp8", precision="fp8", delta=delta, attn_stats=3,
+                                max_steps=6, model_config=model, output_dir=str(out)))
+        recs = [r for r in metrics(out) if r["kind"] == "attn"]
+        assert [r["step"] for r in recs] == [3, 6] and all(r["nonfinite"] == 0 for r in recs)
+        assert all((r["ds_residual"] > 1e-2) if delta == "stale" else (r["ds_residual"] < 1e-5) for r in recs), recs

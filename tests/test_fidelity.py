@@ -51,8 +51,8 @@ def build_sink_model(out_dir, head_dim=16, heads=4, sink=True):
             for h in range(heads // 2):  # KV heads: the BOS key is 8 (RMS-normed one-hot) along `dim`, others 0
                 attn.k_proj.weight[h * head_dim + dim] = 0.0
                 attn.k_proj.weight[h * head_dim + dim, c] = 1.0
-            for h in range(heads):
-                attn.q_proj.bias[h * head_dim + dim] = 4.0 * head_dim ** 0.5 / 4.0
+            for h in range(heads):  # logit on BOS: sqrt(d) * 8 / sqrt(d) = 8 above the others' ~N(0, 1)
+                attn.q_proj.bias[h * head_dim + dim] = head_dim ** 0.5
     model.save_pretrained(out_dir)
     return out_dir
 

@@ -3,13 +3,16 @@
 Every EVERY optimizer steps, on the first micro-batch of the step, each attention layer's call through
 transformers' attention interface keeps one head's q, k, v (after RoPE), output and upstream gradient dO (batch
 row 0; the head rotates with the step and the layer). After that backward, per layer:
-  - sink_mass      mean attention probability on the first token of each packed document (rows after the first)
+  - sink_mass      mean attention probability on the first token of each packed document (rows after its first)
   - ds_residual    ||sum_j dS_ij|| / ||sum_j |dS_ij|||, the zero-row-sum invariant, from the reference backend with
                    the run's own backward numerics (precision and delta; bf16 with stale delta, FlashAttention's,
                    for other attention implementations) on the captured operands
   - max_abs_logit  largest |S_ij| over visible keys
   - nonfinite      non-finite entries in the captured q, k, v, output and dO
-The attention itself is untouched: the wrapper calls the model's own attention function and only copies one head.
+The statistics cover the DOCS longest documents of the row, each on its last ROWS query rows against all its keys
+(the reference's bottom-right causal alignment keeps their positions; the dS quantization tiles then start at
+the first of those rows). The attention itself is untouched: the wrapper calls the model's own attention function
+and only copies one head.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import torch
 from .. import reference
 from ..config import DeltaMatchConfig
 
-_ROWS_PER_CHUNK = 1024  # query rows per score chunk (memory: rows x document length fp32)
+# Measured on the DOCS longest documents of the row, on their last ROWS query rows each (against all their keys):
+# bounded work per layer at any context length, and the late rows are where long-context attention lives.
+DOCS = 4
+ROWS = 256
 
 
 class AttentionStats:
@@ -82,8 +88,8 @@ class AttentionStats:
         cu = kwargs.get("cu_seq_lens_q")
         scaling = kwargs.get("scaling")
         causal = bool(getattr(module, "is_causal", True))
-        rec = {"head": head, "q": query[0:1, head:head + 1].detach().clone(),
-               "k": key[0:1, kv_head:kv_head + 1].detach().clone(), "v": value[0:1, kv_head:kv_head + 1].detach().clone(),
+        one = lambda x, h: x[0:1, h:h + 1].detach().clone()  # noqa: E731  batch row 0, one head
+        rec = {"head": head, "q": one(query, head), "k": one(key, kv_head), "v": one(value, kv_head),
                "out": out[0:1, :, head].detach().clone(), "do": None, "causal": causal,
                "scale": scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1]),
                "window": kwargs.get("sliding_window") if causal else None,
@@ -120,30 +126,29 @@ def _measure(rec: dict, config: DeltaMatchConfig) -> dict:
     dtype = rec["q"].dtype if rec["q"].dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     q, k, v = (rec[n].to(dtype) for n in ("q", "k", "v"))
     do = rec["do"].unsqueeze(1).to(dtype)  # (1, N, Dv) -> (1, 1, N, Dv)
-    n = q.shape[2]
     nonfinite = sum(int((~torch.isfinite(rec[name])).sum()) for name in ("q", "k", "v", "out", "do"))
-    sink, rows, max_abs = 0.0, 0, 0.0
-    for a, b in _segments(n, rec["cu"]):
-        m = b - a
-        for r0 in range(0, m, _ROWS_PER_CHUNK):
-            r1 = min(m, r0 + _ROWS_PER_CHUNK)
-            s = (q[0, 0, a + r0:a + r1].float() @ k[0, 0, a:b].float().T) * rec["scale"]
-            keep = reference._visible(torch.arange(r0, r1, device=s.device), m, m, rec["causal"], rec["window"],
-                                      s.device)
-            s = s.masked_fill(~keep, float("-inf"))
-            max_abs = max(max_abs, s.abs().masked_fill(~keep, 0).amax().item())
-            p = torch.softmax(s, dim=-1)
-            first = 1 if r0 == 0 else 0  # the document's first row sees only itself
-            sink += torch.nan_to_num(p[first:, 0]).sum().item()
-            rows += r1 - r0 - first
-    cu = rec["cu"].to(torch.int32) if rec["cu"] is not None else None
-    kw = dict(causal=rec["causal"], softmax_scale=rec["scale"], window=rec["window"], cu_seqlens_q=cu, cu_seqlens_k=cu)
-    if nonfinite:
-        residual = None
-    else:
-        fwd = reference.forward(q, k, v, **kw, config=config)
-        *_, row_sums, row_abs = reference.backward(do, q, k, v, fwd[0], fwd[1], *fwd[2:], **kw, config=config,
-                                                   return_row_sums=True)
-        residual = (row_sums.norm() / row_abs.norm().clamp_min(1e-30)).item()
+    sink, rows, max_abs, sq_sums, sq_abs = 0.0, 0, 0.0, 0.0, 0.0
+    docs = sorted(_segments(q.shape[2], rec["cu"]), key=lambda s: s[0] - s[1])[:DOCS]
+    for a, b in docs:
+        r = max(a, b - ROWS)  # the document's last rows, against all its keys (bottom-right causal alignment)
+        n, m = b - r, b - a
+        s = (q[0, 0, r:b].float() @ k[0, 0, a:b].float().T) * rec["scale"]
+        keep = reference._visible(torch.arange(n, device=s.device), n, m, rec["causal"], rec["window"], s.device)
+        max_abs = max(max_abs, s.abs().masked_fill(~keep, 0).amax().item())
+        p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+        first = 1 if r == a else 0  # the document's first row sees only itself
+        sink += p[first:, 0].sum().item()
+        rows += n - first
+        if nonfinite:
+            continue
+        kw = dict(causal=rec["causal"], softmax_scale=rec["scale"], window=rec["window"], cu_seqlens_q=None,
+                  cu_seqlens_k=None)
+        qs, ks, vs = q[:, :, r:b], k[:, :, a:b], v[:, :, a:b]
+        fwd = reference.forward(qs, ks, vs, **kw, config=config)
+        *_, row_sums, row_abs = reference.backward(do[:, :, r:b], qs, ks, vs, fwd[0], fwd[1], *fwd[2:], **kw,
+                                                   config=config, return_row_sums=True)
+        sq_sums += row_sums.double().square().sum().item()
+        sq_abs += row_abs.double().square().sum().item()
+    residual = None if nonfinite else math.sqrt(sq_sums) / max(math.sqrt(sq_abs), 1e-30)
     return {"sink_mass": sink / max(rows, 1), "ds_residual": residual, "max_abs_logit": max_abs,
             "nonfinite": nonfinite}

@@ -107,9 +107,9 @@ def write_seed_summary(root: Path) -> SeedStats:
     record = {"name": stats.name, "seeds": stats.seeds, "final_val_loss": stats.values, "mean": stats.mean,
               "std": stats.std, "spread": stats.spread}
     (root / "seeds.json").write_text(json.dumps(record, indent=1))
+    rows = "".join(f"| {s} | {v:.4f} |\n" for s, v in zip(stats.seeds, stats.values))
     (root / "seeds.md").write_text(
-        "| seed | final val CE |\n|---|---|\n" + "".join(f"| {s} | {v:.4f} |\n" for s, v in zip(stats.seeds, stats.values))
-        + f"\nmean {stats.mean:.4f} ± {stats.std:.4f} (std), range {stats.spread:.4f} over {stats.n} seeds\n")
+        "| seed | final val CE |\n|---|---|\n" + rows + f"\nmean {stats.mean:.4f} ± {stats.std:.4f} (std), range {stats.spread:.4f} over {stats.n} seeds\n")
     return stats
 
 
