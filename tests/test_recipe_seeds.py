@@ -58,6 +58,7 @@ def test_seeds_sweep_and_summary(corpus, tmp_path):
         assert all(s["steps"] == 3 for s in summaries)
         first_losses = [metrics(root / f"seed-{s}")[0]["loss"] for s in (0, 1)]
         assert first_losses[0] != first_losses[1]  # the seed reaches the initialization
+        assert f"tokenizer: {root / 'seed-0' / 'tokenizer'}" in (root / "seed-1" / "config.yaml").read_text()
         rec = json.loads((root / "seeds.json").read_text())
         assert rec["seeds"] == [0, 1] and rec["final_val_loss"] == [s["final_val_loss"] for s in summaries]
         assert rec["spread"] == pytest.approx(abs(rec["final_val_loss"][0] - rec["final_val_loss"][1]))

@@ -52,6 +52,10 @@ def run_seeds(cfg, seeds: list[int]) -> list[dict]:
         summaries.append(train(run))
         if summaries[-1].get("interrupted"):
             break
+        first_tokenizer = root / SEED_DIR.format(seeds[0]) / "tokenizer"
+        if cfg.tokenizer == "train" and cfg.model is None and first_tokenizer.is_dir():
+            # the first seed's BPE (trained on the same split) for the others: identical tokens, no retraining
+            cfg = dataclasses.replace(cfg, tokenizer=str(first_tokenizer))
     write_seed_summary(root)
     return summaries
 
