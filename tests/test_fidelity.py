@@ -100,6 +100,32 @@ def test_capture_is_what_the_model_computes(assets):
             assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_sliding_window_layers_are_captured_exactly(tmp_path):
+    """Qwen3 with a sliding-window first layer (8 tokens) and GQA: the capture applies the window."""
+    from _tiny_models import build
+
+    from hf_deltamatch.training.data import train_tokenizer
+
+    tok = train_tokenizer(_text(), 300, tmp_path)
+    model = build("qwen3_sliding", "eager", dtype=torch.float32, vocab_size=len(tok))
+    model.save_pretrained(tmp_path)
+    ids = fidelity.make_sequences(tok, _text(seed=2), 40, 1)
+    loss, layers = fidelity.capture(fidelity.load_model(tmp_path, dtype=torch.float32), ids)
+    assert [r.window for r in layers] == [8, None]
+    outs = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a, i=i: outs.__setitem__(i, a[0].detach()))
+    assert loss == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+    for r in layers:
+        got = r.out.transpose(1, 2).reshape(outs[r.layer].shape)
+        assert ((got - outs[r.layer]).norm() / outs[r.layer].norm()).item() < 1e-5
+    m = fidelity.measure_layer(layers[0], block=64)["modes"]
+    # the window applied to every mode alike: bf16 at bf16 rounding, fp8 at FP8 level (a 40 x 8 band: few
+    # elements carry the norm, so FP8 errors run above the 8-11 % of large gaussian problems)
+    assert max(m["bf16"][g] for g in ("err_dq", "err_dk", "err_dv")) < 0.01
+    assert m["bf16"]["err_dq"] < m["sdpa"]["err_dq"] < m["fp8-matching"]["err_dq"] < 0.5
+
+
 def test_sink_layer_and_stale_delta_show(assets):
     path, data = assets
     report = fidelity.check_model(path, data, seq_len=128, batch=2, block=64)
