@@ -25,7 +25,16 @@ def check_main(argv: list[str]) -> int:
     parser.add_argument("--full", action="store_true", help="bidirectional attention instead of causal")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu")
     parser.add_argument("--backend", default="auto", choices=("auto", "triton", "reference"))
+    parser.add_argument("--model", help="a local transformers causal LM: measure on its real activations (with "
+                                        "--data; --seq-len, --batch, --block, --device, --backend apply)")
+    parser.add_argument("--data", help="with --model: a .txt or .jsonl ('text' field) file of text to run")
+    parser.add_argument("--out", help="with --model: directory for fidelity.json and fidelity.png "
+                                      "(default fidelity-MODELNAME)")
     args = parser.parse_args(argv)
+    if args.model or args.data:
+        from . import fidelity
+
+        return fidelity.check_main(args)
     profiles = diagnostics.PROFILES if args.profile == "all" else (args.profile,)
     print(f"hf-deltamatch check: B={args.batch} H={args.heads} N={args.seq_len} D={args.head_dim} "
           f"{'full' if args.full else 'causal'} block={args.block} seed={args.seed} device={args.device}")

@@ -1,5 +1,6 @@
 """Training recipes' reusable parts: config, data (offline corpus, tokenizer, packing collator), model setup,
-optimizers, the accelerate training loop, and loss-curve plotting. Entry points live in recipes/."""
+optimizers, the accelerate training loop, the attention monitor, seed sweeps, and loss-curve plotting. Entry
+points live in recipes/."""
 
 from .config import ConfigError, TrainConfig, parse_config, validate
 from .data import PackedCollator, pack_token_lists

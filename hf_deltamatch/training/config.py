@@ -47,7 +47,7 @@ class TrainConfig:
     model: str | None = None  # local checkpoint dir (continued pretraining); None = from scratch
     model_config: Any = dataclasses.field(default_factory=lambda: dict(TINY_CPU_MODEL))  # dict or YAML/JSON path
     attn: str = "deltamatch_fp8"
-    precision: str = "fp8"  # deltamatch_fp8 only: fp8 | bf16
+    precision: str = "fp8"  # deltamatch_fp8 only: fp8 | bf16 | fp8_fwd | fp8_bwd (ablations: modeling.SPLIT_PRECISION)
     delta: str = "matching"  # deltamatch_fp8 only: matching | stale
     fp8_linear: bool = False  # torchao float8 training for nn.Linear (FP8 tensor cores on H100/H200; CPU emulates)
     gradient_checkpointing: bool = False
@@ -62,6 +62,7 @@ class TrainConfig:
     text_field: str = "text"
     streaming: bool = False
     val_fraction: float = 0.02  # held-out documents (map-style)
+    data_seed: int = 0  # which documents are held out: fixed apart from --seed, so every seed sees one split
     val_docs: int = 200  # held-out documents (streaming: the first val_docs of the stream)
     corpus_bytes: int = 6_000_000  # size cap of the "stdlib" corpus
     tokenizer: str = "train"  # "train" (BPE trained locally on the training split) or a local tokenizer dir
@@ -83,7 +84,7 @@ class TrainConfig:
     max_steps: int = 240
     max_minutes: float = 0.0  # >0: stop (final eval + checkpoint + save) after this much training time
     mixed_precision: str = "bf16"  # bf16 autocast | no
-    seed: int = 0
+    seed: int = 0  # initialization, data order (not the validation split: --data_seed)
     # --- bookkeeping ---------------------------------------------------------------------------------
     output_dir: str = "runs/tiny-cpu"
     run_name: str | None = None
@@ -93,6 +94,7 @@ class TrainConfig:
     save_every: int = 120
     keep_checkpoints: int = 2
     resume: str | None = None  # "auto" (latest checkpoint in output_dir) or a checkpoint dir
+    attn_stats: int = 0  # >0: every this many steps, per attention layer stats of one head (training/attn_stats.py)
     save_final: bool = True
     num_workers: int = 0
     # CPU only: torch intra-op threads. Small models run thousands of tiny ops; with 2+ threads every op pays an
@@ -158,6 +160,8 @@ def _parse_jsonish(name: str, value: str):
 def build_parser(description: str = "hf_deltamatch training recipe") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", help="recipe YAML/JSON (e.g. recipes/configs/hybrid-small.yaml); CLI flags override it")
+    p.add_argument("--seeds", help="run once per seed into OUTPUT_DIR/seed-N and summarize the spread, e.g. 0,1,2 "
+                                   "(hf_deltamatch/training/sweep.py); --seed is then ignored")
     defaults = TrainConfig()
     for name, f in FIELDS.items():
         default = getattr(defaults, name)
@@ -222,8 +226,9 @@ def validate(cfg: TrainConfig) -> None:
                 err.append(f"deltamatch_fp8 needs head_dim % 16 == 0; model_config gives head_dim {hd}.")
     if cfg.attn not in ATTN_CHOICES:
         err.append(f"--attn {cfg.attn!r}: choose one of {list(ATTN_CHOICES)}.")
-    if cfg.precision not in ("fp8", "bf16"):
-        err.append(f"--precision {cfg.precision!r}: choose fp8 or bf16.")
+    if cfg.precision not in ("fp8", "bf16", "fp8_fwd", "fp8_bwd"):
+        err.append(f"--precision {cfg.precision!r}: choose fp8 or bf16 (or the ablations fp8_fwd: fp8 forward with "
+                   "bf16 backward, fp8_bwd: bf16 forward with fp8 backward).")
     if cfg.delta not in ("matching", "stale"):
         err.append(f"--delta {cfg.delta!r}: choose matching or stale.")
     if cfg.optimizer not in ("adamw", "muon"):
@@ -244,6 +249,11 @@ def validate(cfg: TrainConfig) -> None:
         err.append("--lr must be > 0 and --min_lr_ratio in [0, 1].")
     if cfg.warmup_steps < 0 or cfg.loss_chunk < 0 or cfg.max_minutes < 0:
         err.append("--warmup_steps, --loss_chunk and --max_minutes must be >= 0.")
+    if cfg.attn_stats < 0:
+        err.append(f"--attn_stats must be >= 0 (0 = off, N = every N steps), got {cfg.attn_stats}.")
+    elif cfg.attn_stats and cfg.attn == "eager":
+        err.append("--attn_stats reads q, k, v through transformers' attention interface, which 'eager' bypasses; "
+                   "use --attn sdpa (same numerics) or deltamatch_fp8.")
     if not (isinstance(cfg.adam_betas, (list, tuple)) and len(cfg.adam_betas) == 2):
         err.append(f"--adam_betas must be two numbers, e.g. '[0.9, 0.95]', got {cfg.adam_betas!r}.")
     if cfg.rope_scaling is not None and not isinstance(cfg.rope_scaling, dict):

@@ -143,7 +143,8 @@ def load_text_splits(cfg: TrainConfig):
         return ds.skip(cfg.val_docs), ds.take(cfg.val_docs)
     if cfg.val_fraction == 0 or len(ds) < 2:
         return ds, None
-    split = ds.train_test_split(test_size=cfg.val_fraction, seed=cfg.seed, shuffle=True)
+    # data_seed, not seed: runs that differ only in --seed are validated on the same documents
+    split = ds.train_test_split(test_size=cfg.val_fraction, seed=cfg.data_seed, shuffle=True)
     return split["train"], split["test"]
 
 

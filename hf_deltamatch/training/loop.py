@@ -3,6 +3,7 @@ periodic validation CE, checkpoints with exact resume, tqdm, TensorBoard + JSONL
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -100,7 +101,8 @@ def _train(cfg: TrainConfig) -> dict:
     from tqdm.auto import tqdm
 
     from .data import build_dataloaders, load_text_splits, load_tokenizer, tokenizer_training_texts
-    from .modeling import CausalLMWithLoss, build_model, causal_lm
+    from .attn_stats import AttentionStats
+    from .modeling import CausalLMWithLoss, backward_numerics, build_model, causal_lm
     from .optim import build_optimizers, build_schedulers
 
     out_dir = Path(cfg.output_dir)
@@ -180,11 +182,25 @@ def _train(cfg: TrainConfig) -> dict:
     if main:
         _truncate_metrics(metrics_path, state.step)
 
-    def write(rec: dict):
+    def write(rec: dict, scalars: dict | None = None):
+        """One metrics.jsonl line; TensorBoard gets `scalars`, by default the record's numbers."""
         if main:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
-        accelerator.log({k: v for k, v in rec.items() if k not in ("step", "kind")}, step=rec["step"])
+        accelerator.log(scalars if scalars is not None else {k: v for k, v in rec.items() if k not in ("step", "kind")},
+                        step=rec["step"])
+
+    # the main process measures attention every cfg.attn_stats steps (training/attn_stats.py)
+    monitor = None
+    if cfg.attn_stats and main:
+        impl = causal_lm(accelerator.unwrap_model(wrapped).model).config._attn_implementation
+        monitor = AttentionStats(impl, cfg.attn_stats, *backward_numerics(cfg))
+
+    def write_attn_stats(rows: list[dict]):
+        for row in rows:
+            rec = {"kind": "attn", "step": state.step, "tokens": state.tokens, **row}
+            write(rec, {f"attn/layer{row['layer']}/{k}": v for k, v in row.items()
+                        if k not in ("layer", "head") and v is not None})
 
     def evaluate() -> float | None:
         if val_dl is None:
@@ -224,7 +240,8 @@ def _train(cfg: TrainConfig) -> dict:
     stopped = time_limited = False
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
-    with _StopFlag() as stop:
+    attn_rows = []
+    with _StopFlag() as stop, (monitor if monitor is not None else contextlib.nullcontext()):
         while state.step < cfg.max_steps and not stopped and not time_limited:
             train_dl.set_epoch(state.epoch)
             skip = state.batches_in_epoch
@@ -233,9 +250,13 @@ def _train(cfg: TrainConfig) -> dict:
             for batch in epoch_dl:
                 sync = micro_in_step == cfg.grad_accum - 1
                 ctx = accelerator.no_sync(wrapped) if not sync else _null()
+                if monitor is not None and micro_in_step == 0 and monitor.due(state.step + 1):
+                    monitor.arm(state.step + 1)
                 with ctx, accelerator.autocast():
                     loss, _ = wrapped(**batch)
                     accelerator.backward(loss / cfg.grad_accum)
+                if monitor is not None and monitor.armed_step is not None:
+                    attn_rows = monitor.collect()
                 loss_acc += loss.detach()
                 n_acc += 1
                 # input tokens: the same count on every rank (fixed-length blocks), so no communication needed
@@ -287,6 +308,10 @@ def _train(cfg: TrainConfig) -> dict:
                     loss_acc.zero_()
                     n_acc, tok_window, state_tokens_logged, t_window = 0, 0, 0, time.time()
 
+                if attn_rows:
+                    write_attn_stats(attn_rows)
+                    attn_rows = []
+
                 if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps or out_of_time:
                     last_val = evaluate()
                     if last_val is not None:
@@ -321,7 +346,8 @@ def _train(cfg: TrainConfig) -> dict:
     summary = {"name": cfg.name, "steps": state.step, "tokens": state.tokens, "elapsed_s": time.time() - t_start,
                "final_val_loss": last_val, "attn": cfg.attn, "precision": cfg.precision, "delta": cfg.delta,
                "interrupted": stopped, "time_limited": time_limited, "params": n_params, "trainable_params": n_train,
-               "num_processes": accelerator.num_processes, "start_step": start_step}
+               "num_processes": accelerator.num_processes, "start_step": start_step,
+               "attn_stats_s": monitor.seconds if monitor is not None else None}
     if main:
         records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
         train_recs = [r for r in records if r.get("kind") == "train"]
@@ -411,10 +437,21 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def main(argv: list[str] | None = None, base: dict | None = None, description: str | None = None) -> int:
+    from .config import build_parser
+    from .sweep import parse_seeds, run_seeds
+
     try:
         cfg = parse_config(argv, base=base, description=description)
-        summary = train(cfg)
+        seeds_arg = build_parser().parse_known_args(argv)[0].seeds
+        if seeds_arg is not None:
+            try:
+                seeds = parse_seeds(seeds_arg)
+            except ValueError as e:
+                raise ConfigError(str(e))
+            summaries = run_seeds(cfg, seeds)
+        else:
+            summaries = [train(cfg)]
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 130 if summary.get("interrupted") else 0
+    return 130 if summaries[-1].get("interrupted") else 0

@@ -33,25 +33,86 @@ _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_
 # ---------------------------------------------------------------------------------------------------------
 
 
+# --precision ablations: (forward precision, backward precision) of the attention op
+SPLIT_PRECISION = {"fp8_fwd": ("fp8", "bf16"), "fp8_bwd": ("bf16", "fp8")}
+
+
+def backward_numerics(cfg: TrainConfig) -> tuple[str, str]:
+    """(precision, delta) of the run's attention backward; other implementations count as bf16 with FlashAttention's
+    stale delta."""
+    if cfg.attn != "deltamatch_fp8":
+        return "bf16", "stale"
+    return SPLIT_PRECISION.get(cfg.precision, (cfg.precision, cfg.precision))[1], cfg.delta
+
+
+class _ValueOf(torch.autograd.Function):
+    """Returns `value`; the gradient goes to `carrier` (exactly: no y_b + (y_f - y_b) rounding)."""
+
+    @staticmethod
+    def forward(ctx, carrier, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def split_precision_attention(forward_precision: str, backward_precision: str, delta: str):
+    """A transformers attention function whose output is the op's in `forward_precision` and whose gradient is
+    the op's backward in `backward_precision` (that precision's own forward supplies the saved operands, LSE and,
+    for stale delta, O). Both forwards run, so it costs one extra forward; it exists to tell forward error from
+    backward error."""
+    import hf_deltamatch
+    from hf_deltamatch.integrations.transformers import deltamatch_attention_forward
+
+    def attention(module, *args, **kwargs):
+        saved = hf_deltamatch.get_default_config()
+        outs = {}
+        try:
+            for precision in dict.fromkeys((forward_precision, backward_precision)):
+                hf_deltamatch.set_default_config(saved.replace(precision=precision, delta=delta))
+                outs[precision] = deltamatch_attention_forward(module, *args, **kwargs)[0]
+        finally:
+            hf_deltamatch.set_default_config(saved)
+        y_f, y_b = outs[forward_precision], outs[backward_precision]
+        return _ValueOf.apply(y_b, y_f.detach()), None
+
+    return attention
+
+
 def setup_attention(cfg: TrainConfig) -> str:
     """Make `cfg.attn` usable and apply --precision/--delta; returns the attn_implementation string."""
     if cfg.attn != "deltamatch_fp8":
         return cfg.attn
     # The env vars are read by the op at every call (and inherited by dataloader workers / launched ranks).
-    os.environ["HF_DELTAMATCH_PRECISION"] = cfg.precision
+    if cfg.precision in SPLIT_PRECISION:
+        os.environ.pop("HF_DELTAMATCH_PRECISION", None)  # the split function sets the precision per call
+    else:
+        os.environ["HF_DELTAMATCH_PRECISION"] = cfg.precision
     os.environ["HF_DELTAMATCH_DELTA"] = cfg.delta
     try:
         import hf_deltamatch
         import transformers
     except ImportError as e:  # pragma: no cover - environment problem
         raise ConfigError(f"--attn deltamatch_fp8 needs hf_deltamatch importable: {e}")
+    precision = SPLIT_PRECISION.get(cfg.precision, (cfg.precision,))[0]
     if hasattr(hf_deltamatch, "set_default_config") and hasattr(hf_deltamatch, "DeltaMatchConfig"):
-        hf_deltamatch.set_default_config(hf_deltamatch.DeltaMatchConfig(precision=cfg.precision, delta=cfg.delta))
+        hf_deltamatch.set_default_config(hf_deltamatch.DeltaMatchConfig(precision=precision, delta=cfg.delta))
     if hasattr(hf_deltamatch, "register"):
         hf_deltamatch.register()
     if "deltamatch_fp8" not in transformers.AttentionInterface._global_mapping:
         raise ConfigError("attn_implementation 'deltamatch_fp8' is not registered with transformers in this "
                           "checkout of hf_deltamatch (the integration is missing); use --attn sdpa meanwhile.")
+    if cfg.precision in SPLIT_PRECISION:
+        # its own name (with deltamatch_fp8's mask function), so deltamatch_fp8 itself stays as registered
+        from hf_deltamatch.integrations.transformers import deltamatch_mask
+        from transformers.masking_utils import AttentionMaskInterface
+
+        name = f"deltamatch_{cfg.precision}"
+        transformers.AttentionInterface.register(name, split_precision_attention(*SPLIT_PRECISION[cfg.precision],
+                                                                                 cfg.delta))
+        AttentionMaskInterface.register(name, deltamatch_mask)
+        return name
     return cfg.attn
 
 

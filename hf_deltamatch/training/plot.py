@@ -2,7 +2,8 @@
 
 Reads each run's metrics.jsonl (written by the training loop): train loss (EMA-smoothed) and validation CE
 against tokens seen, and a bottom panel with the difference to the first run (the paper's way of showing
-FP8-vs-BF16 gaps).
+FP8-vs-BF16 gaps). Runs trained with --attn_stats also get OUT_attn.png: per attention layer, sink mass, the dS
+row-sum residual and max |logit| against steps (training/attn_stats.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def read_run(run_dir: str | Path) -> dict:
         "name": name,
         "train": [r for r in recs if r.get("kind") == "train"],
         "eval": [r for r in recs if r.get("kind") == "eval"],
+        "attn": [r for r in recs if r.get("kind") == "attn"],
         "summary": summary,
     }
 
@@ -77,6 +79,42 @@ def plot_runs(runs: list[dict], out: Path, smooth: float = 0.8, x: str = "tokens
     ax_d.grid(alpha=0.3)
     if ax_d.lines[1:]:
         ax_d.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+ATTN_PANELS = (("sink_mass", "sink mass (first token)", "linear"),
+               ("ds_residual", "dS row-sum residual (relative)", "log"),
+               ("max_abs_logit", "max |logit|", "linear"))
+
+
+def plot_attn_stats(runs: list[dict], out: Path, x: str = "step"):
+    """One panel per statistic; a line per (run, layer); the title counts non-finite entries seen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(ATTN_PANELS), 1, figsize=(8, 8), sharex=True)
+    styles = ("-", "--", ":", "-.")
+    for i, run in enumerate(runs):
+        layers = sorted({r["layer"] for r in run["attn"]})
+        for j, layer in enumerate(layers):
+            recs = [r for r in run["attn"] if r["layer"] == layer]
+            for ax, (key, _, _) in zip(axes, ATTN_PANELS):
+                pts = [(r[x], r[key]) for r in recs if r.get(key) is not None]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[j % len(styles)], color=f"C{i}", lw=1.2,
+                        marker="o", ms=2.5, label=f"{run['name']} L{layer}")
+    for ax, (_, label, scale) in zip(axes, ATTN_PANELS):
+        ax.set_ylabel(label, fontsize=9)
+        ax.set_yscale(scale)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7, ncol=2)
+    axes[-1].set_xlabel("tokens" if x == "tokens" else "optimizer step")
+    bad = sum(r.get("nonfinite", 0) for run in runs for r in run["attn"])
+    axes[0].set_title(f"attention per layer (one head per sample); non-finite entries seen: {bad}")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
@@ -136,6 +174,10 @@ def plot_main(argv: list[str]) -> int:
         return 2
     plot_runs(runs, Path(a.out), smooth=a.smooth, x=a.x, title=a.title)
     print(f"wrote {a.out}")
+    if any(r["attn"] for r in runs):
+        attn_png = Path(a.out).with_name(Path(a.out).stem + "_attn.png")
+        plot_attn_stats(runs, attn_png, x=a.x)
+        print(f"wrote {attn_png}")
     if a.table:
         Path(a.table).parent.mkdir(parents=True, exist_ok=True)
         Path(a.table).write_text(table_markdown(runs))

@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# The convergence study with its noise floor, one command on one GPU:
+#
+#   bash recipes/convergence_study.sh [OUT_DIR]     # default recipes/results/<UTC date>-convergence
+#
+# Same data, validation split (--data_seed 0), tokenizer and model for every run; each mode runs once per seed
+# (recipes' --seeds) with the attention monitor on (--attn_stats):
+#   bf16          deltamatch_fp8 --precision bf16            same kernels, no quantization: the noise floor
+#   fp8-matching  --precision fp8 --delta matching           Delta-Matching
+#   fp8-stale     --precision fp8 --delta stale              FlashAttention's delta
+#   fp8-fwd       --precision fp8_fwd                        ablation: fp8 forward, bf16 backward
+#   fp8-bwd       --precision fp8_bwd                        ablation: bf16 forward, fp8 backward (Delta-Matching)
+#   fp8-bwd-stale --precision fp8_bwd --delta stale          ablation: bf16 forward, fp8 backward, stale delta
+# then `hf-deltamatch check --model` on each mode's seed-0 final model (and on the warm-start checkpoint), and
+# OUT_DIR/results.md: final validation CE mean ± std per mode, the gap to bf16 and whether it exceeds bf16's seed
+# range (hf_deltamatch/training/sweep.py), the fidelity summary, loss.png and loss_attn.png (seed 0 of each mode).
+#
+# Where the stale failure lives (peaked attention, sinks) a small model reaches only after long training, so:
+# WARM_STEPS=N first trains bf16 (seed 0) for N steps with the monitor on (loss_attn.png of runs/warm shows when
+# sink mass rises) and every mode then continues from that checkpoint; INIT=DIR continues from a checkpoint you
+# have instead. Seeds then vary the data order only.
+#
+# Environment: CFG (recipes/configs/dense-small.yaml), SEEDS (0,1,2), STEPS (600 optimizer steps of 2 x 8K
+# tokens per run), MODES ("bf16 fp8-matching fp8-stale fp8-fwd fp8-bwd"; add fp8-bwd-stale to split the stale
+# delta's effect), ATTN_STATS (25), WARM_STEPS (0), INIT, FID_SEQ (2048 tokens x 2 sequences for the fidelity
+# check; FID_DATA: its text, default the offline corpus), PYTHON, EXTRA (more recipe flags for every run),
+# SMOKE=1 (a tiny CPU rehearsal of this script).
+# On the H200, dense-small at 2 x 8K tokens per step ran ~150K tokens/s: ~1.5 minutes per 600-step run with
+# start-up, so the default 5 modes x 3 seeds take about 25-30 minutes.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${1:-$REPO/recipes/results/$(date -u +%F)-convergence}
+mkdir -p "$OUT/runs"
+OUT=$(cd "$OUT" && pwd)
+cd "$REPO"
+PY=${PYTHON:-$(command -v python || command -v python3)}
+CFG=${CFG:-recipes/configs/dense-small.yaml}
+SEEDS=${SEEDS:-0,1,2}
+STEPS=${STEPS:-600}
+MODES=${MODES:-"bf16 fp8-matching fp8-stale fp8-fwd fp8-bwd"}
+ATTN_STATS=${ATTN_STATS:-25}
+WARM_STEPS=${WARM_STEPS:-0}
+INIT=${INIT:-}
+EXTRA=${EXTRA:-}
+SMOKE=${SMOKE:-0}
+FID_SEQ=${FID_SEQ:-$([ "$SMOKE" = 1 ] && echo 128 || echo 2048)}
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export HF_DELTAMATCH_CACHE=${HF_DELTAMATCH_CACHE:-$OUT/cache}
+export HF_DATASETS_CACHE=${HF_DATASETS_CACHE:-$OUT/cache/datasets}
+exec > >(tee -a "$OUT/study.log") 2>&1
+T0=$(date +%s)
+stamp() { echo "[convergence $(( $(date +%s) - T0 ))s] $*"; }
+source "$REPO/recipes/_common.sh"
+ensure_datasets
+
+COMMON=(--config "$CFG" --max_steps "$STEPS" --warmup_steps 30 --batch_size 2 --grad_accum 1 --lr 1e-3
+        --save_every 1000000 --eval_every 50 --eval_batches 64 --log_every 5 --corpus_bytes 40000000
+        --data_seed 0 --attn_stats "$ATTN_STATS")
+FID=(--seq-len "$FID_SEQ" --batch 2)
+if [ "$SMOKE" = 1 ]; then
+  CFG="tiny-cpu defaults (SMOKE=1 rehearsal)"
+  COMMON=(--max_steps "$STEPS" --warmup_steps 1 --save_every 1000000 --eval_every 2 --eval_batches 2 --log_every 1
+          --corpus_bytes 400000 --vocab_size 512 --seq_len 128 --batch_size 4 --data_seed 0 --attn_stats "$ATTN_STATS")
+  FID=(--seq-len "$FID_SEQ" --batch 1 --block 64)
+fi
+# shellcheck disable=SC2206
+COMMON+=($EXTRA)
+
+mode_flags() {
+  case $1 in
+    bf16) echo "--precision bf16 --delta matching" ;;
+    fp8-matching) echo "--precision fp8 --delta matching" ;;
+    fp8-stale) echo "--precision fp8 --delta stale" ;;
+    fp8-fwd) echo "--precision fp8_fwd --delta matching" ;;
+    fp8-bwd) echo "--precision fp8_bwd --delta matching" ;;
+    fp8-bwd-stale) echo "--precision fp8_bwd --delta stale" ;;
+    *) echo "unknown mode $1 (bf16 fp8-matching fp8-stale fp8-fwd fp8-bwd fp8-bwd-stale)" >&2; return 2 ;;
+  esac
+}
+for mode in $MODES; do mode_flags "$mode" > /dev/null; done  # a typo fails now, not after an hour
+
+# ---- optional warm start: bf16 until sinks form, then every mode continues from there -------------------------
+if [ "$WARM_STEPS" -gt 0 ] && [ -z "$INIT" ]; then
+  stamp "warm start: bf16, $WARM_STEPS steps"
+  "$PY" recipes/pretrain.py "${COMMON[@]}" --max_steps "$WARM_STEPS" --attn deltamatch_fp8 --precision bf16 \
+    --seed 0 --output_dir "$OUT/runs/warm" --run_name warm
+  INIT="$OUT/runs/warm/final"
+fi
+START=()
+[ -n "$INIT" ] && START=(--model "$INIT")
+
+# ---- the sweeps ----------------------------------------------------------------------------------------------
+TOK=()
+for mode in $MODES; do
+  stamp "mode $mode: seeds $SEEDS"
+  # shellcheck disable=SC2046
+  "$PY" recipes/pretrain.py "${COMMON[@]}" "${START[@]}" "${TOK[@]}" --attn deltamatch_fp8 $(mode_flags "$mode") \
+    --seeds "$SEEDS" --output_dir "$OUT/runs/$mode" --run_name "$mode"
+  if [ -z "$INIT" ] && [ ${#TOK[@]} = 0 ]; then  # one tokenizer (and tokenized-data cache) for every run
+    TOK=(--tokenizer "$OUT/runs/$mode/seed-${SEEDS%%,*}/tokenizer")
+  fi
+done
+
+# ---- fidelity of each mode's seed-0 model on held-out-style text ---------------------------------------------
+FID_DATA=${FID_DATA:-$(ls "$HF_DELTAMATCH_CACHE"/corpus/stdlib-*/docs.jsonl 2>/dev/null | head -1)}
+if [ -z "$FID_DATA" ]; then
+  echo "error: no text for the fidelity check: set FID_DATA to a .txt or .jsonl file" >&2
+  exit 2
+fi
+FID_MODELS=()
+[ -n "$INIT" ] && FID_MODELS+=("init=$INIT")
+for mode in $MODES; do FID_MODELS+=("$mode=$OUT/runs/$mode/seed-${SEEDS%%,*}/final"); done
+mkdir -p "$OUT/fidelity"
+for entry in "${FID_MODELS[@]}"; do
+  name=${entry%%=*}
+  stamp "fidelity check: $name"
+  "$PY" -m hf_deltamatch.cli check --model "${entry#*=}" --data "$FID_DATA" "${FID[@]}" --out "$OUT/fidelity/$name" \
+    | tee "$OUT/fidelity/$name.txt"
+done
+
+# ---- report ----------------------------------------------------------------------------------------------------
+stamp "summary"
+SWEEPS=()
+for mode in $MODES; do SWEEPS+=("$OUT/runs/$mode"); done
+BASE=bf16
+case " $MODES " in *" bf16 "*) ;; *) BASE=${MODES%% *} ;; esac
+"$PY" -m hf_deltamatch.training.sweep "${SWEEPS[@]}" --baseline "$BASE" --table "$OUT/table.md" --json "$OUT/table.json"
+SEED0=()
+for mode in $MODES; do SEED0+=("$OUT/runs/$mode/seed-${SEEDS%%,*}"); done
+[ -d "$OUT/runs/warm" ] && SEED0=("$OUT/runs/warm" "${SEED0[@]}")
+"$PY" -m hf_deltamatch.training.plot "${SEED0[@]}" -o "$OUT/loss.png" --table "$OUT/table_seed0.md" --x step
+"$PY" - "$OUT" > "$OUT/fidelity.md" <<'PYEOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print("| model | layers | max sink mass | max P underflow | dQ err fp8-matching | dQ err fp8-stale | dQ err bf16 "
+      "| dQ err sdpa | worst stale/matching dQ |")
+print("|---|---|---|---|---|---|---|---|---|")
+for f in sorted((out / "fidelity").glob("*/fidelity.json")):
+    r = json.loads(f.read_text())
+    L = r["layers"]
+    mean = lambda mode: sum(x["modes"][mode]["err_dq"] for x in L) / len(L)
+    worst = max(x["modes"]["fp8-stale"]["err_dq"] / x["modes"]["fp8-matching"]["err_dq"] for x in L)
+    print(f"| {f.parent.name} | {len(L)} | {max(x['sink_mass'] for x in L):.3f} | "
+          f"{max(x['p_underflow'] for x in L):.2%} | {mean('fp8-matching'):.4f} | {mean('fp8-stale'):.4f} | "
+          f"{mean('bf16'):.4f} | {mean('sdpa'):.4f} | {worst:.2f}x |")
+print(f"\n(means over layers; {L[0]['tokens']} tokens per sequence; per-layer tables in fidelity/*/)")
+PYEOF
+{
+  echo "# Convergence study ($(date -u +%Y-%m-%dT%H:%MZ))"
+  echo
+  echo '```'
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
+'device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
+  echo "config: $CFG  steps: $STEPS  seeds: $SEEDS  modes: $MODES  warm start: ${INIT:-none}  git: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo '```'
+  echo
+  echo "## Final validation CE per mode, against the $BASE seed range"
+  echo
+  cat "$OUT/table.md"
+  echo
+  echo "## Gradient fidelity of each mode's seed-0 model (hf-deltamatch check --model)"
+  echo
+  cat "$OUT/fidelity.md"
+  echo
+  echo "## Curves (seed 0 of each mode)"
+  echo
+  echo "![loss](loss.png) ![attention monitor](loss_attn.png)"
+  echo
+  cat "$OUT/table_seed0.md"
+} > "$OUT/results.md"
+stamp "done: $OUT/results.md"
