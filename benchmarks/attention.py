@@ -5,6 +5,7 @@ Times fwd, bwd and fwd+bwd of
   dm-fp8-matching  deltamatch_attention, precision="fp8",  delta="matching"  (the method)
   dm-fp8-stale     deltamatch_attention, precision="fp8",  delta="stale"     (FlashAttention's delta, ablation)
   dm-bf16          deltamatch_attention, precision="bf16", delta="matching"  (same kernels, no quantization)
+  dm-fp8-sinks     dm-fp8-matching with learnable attention sinks (gpt-oss s_aux; not by default: --sinks)
   sdpa-flash       F.scaled_dot_product_attention under SDPBackend.FLASH_ATTENTION (FA2)
   sdpa-cudnn       F.scaled_dot_product_attention under SDPBackend.CUDNN_ATTENTION (the ratio base)
   flex             FlexAttention, torch.compile'd, block mask built once outside the timed region
@@ -14,6 +15,7 @@ Results go to <out>/attention-<date>-<gpu>.json and .md; the markdown is printed
   python benchmarks/attention.py                 # every preset (ANCHORS.md shapes, D=64, GQA, N=65536)
   python benchmarks/attention.py --quick         # one shape (N=8192 causal)
   python benchmarks/attention.py --shapes n8192c,gqa --ops dm-fp8-matching,sdpa-cudnn
+  python benchmarks/attention.py --shapes gptoss --sinks   # the sinks row (gpt-oss-like GQA 8:1, D=64)
   python benchmarks/attention.py --dry-run       # CPU smoke test of the code path and writers, no timing claims
 
 Conventions (shared/ANCHORS.md): FLOPs fwd = 4*B*Hq*N^2*D (halved for causal), bwd = 2.5x, fwd+bwd = 3.5x;
@@ -79,6 +81,7 @@ PRESETS = {
     "d64": Shape("d64", 2, 32, 32, 8192, 64, True),
     "gqa": Shape("gqa", 2, 16, 4, 8192, 128, True),
     "n65536c": Shape("n65536c", 1, 16, 16, 65536, 128, True),
+    "gptoss": Shape("gptoss", 2, 32, 4, 8192, 64, True),  # gpt-oss's head dim and 8:1 GQA (with --sinks)
 }
 QUICK = ["n8192c"]
 # Dry run (CPU, reference backend): GQA + causal, and full attention with a short last tile.
@@ -133,11 +136,15 @@ DM_OPS = {  # name -> DeltaMatchConfig fields
     "dm-fp8-matching": {"precision": "fp8", "delta": "matching"},
     "dm-fp8-stale": {"precision": "fp8", "delta": "stale"},
     "dm-bf16": {"precision": "bf16", "delta": "matching"},
+    "dm-fp8-sinks": {"precision": "fp8", "delta": "matching"},
 }
+SINK_OPS = ("dm-fp8-sinks",)  # with sinks (make_sinks), d sinks computed in every backward; run with --sinks
 CUDA_BASELINES = ["sdpa-flash", "sdpa-cudnn", "flex"]
 ALL_OPS = [*DM_OPS, *CUDA_BASELINES]
+DEFAULT_OPS = [o for o in ALL_OPS if o not in SINK_OPS]
 DRY_RUN_BASE = "sdpa-math"  # CPU stand-in for the ratio base in --dry-run only
 OP_TITLES = {"dm-fp8-matching": "dm fp8-matching", "dm-fp8-stale": "dm fp8-stale", "dm-bf16": "dm bf16",
+             "dm-fp8-sinks": "dm fp8 + sinks",
              "sdpa-flash": "SDPA flash", "sdpa-cudnn": "SDPA cuDNN", "flex": "Flex", "sdpa-math": "SDPA math"}
 # Sanity bounds for the "check" column (not the test suite's tolerances): BF16 kernels land near 3e-3 against
 # fp32 (ANCHORS.md), FP8 ones near 3-5 %; anything far beyond is a broken kernel, however fast.
@@ -193,6 +200,14 @@ def _compiled_flex():
     return _FLEX["fn"]
 
 
+def make_sinks(shape: Shape, device, seed: int) -> torch.Tensor:
+    """fp32 sinks (Hq,) of about log(N): each takes a share of a row comparable to the keys'; a leaf that
+    requires grad, so every backward computes d sinks too (as in training)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    sinks = math.log(shape.N) - 1.0 + 2.0 * torch.randn(shape.Hq, generator=g)
+    return sinks.to(device).requires_grad_()
+
+
 def build_op(name: str, shape: Shape, q, k, v, do, args):
     """Returns (fwd(q, k, v) -> out, info dict). Raises Skip when the op does not apply here."""
     device = q.device
@@ -202,8 +217,10 @@ def build_op(name: str, shape: Shape, q, k, v, do, args):
         from hf_deltamatch import DeltaMatchConfig, deltamatch_attention
 
         cfg = DeltaMatchConfig(backend=args.backend, **DM_OPS[name])
-        return (lambda q, k, v: deltamatch_attention(q, k, v, causal=shape.causal, config=cfg),
-                {"config": dataclasses.asdict(cfg)})
+        sinks = make_sinks(shape, device, args.seed) if name in SINK_OPS else None
+        return (lambda q, k, v: deltamatch_attention(q, k, v, causal=shape.causal, config=cfg, sinks=sinks),
+                {"config": dataclasses.asdict(cfg), **({"sinks": "fp32 (Hq,), d sinks in every backward"}
+                                                      if sinks is not None else {})})
     if name == "sdpa-math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -258,12 +275,27 @@ def build_op(name: str, shape: Shape, q, k, v, do, args):
 # ----------------------------------------------------------------------------------------------------
 
 
-def reference_fwd_bwd(shape: Shape, q, k, v, do):
+def _with_sink_key(q, k, v, sinks, scale):
+    """q, k, v (KV heads already repeated) with the sinks as one more key, exactly: a key at position 0 whose
+    score is s_h for every query (q gets a coordinate 1, that key s_h / scale there, the others 0; 8 columns
+    for alignment) and whose value is 0, and a dummy query at position 0 (so that with the top-left causal
+    mask query i + 1 sees the sink and keys 0..i). Drop the first output row."""
+    B, H, N, D = q.shape
+    z = lambda *s: q.new_zeros(*s)  # noqa: E731
+    q = torch.cat([z(B, H, 1, D + 8), torch.cat([q, q.new_ones(B, H, N, 1), z(B, H, N, 7)], -1)], 2)
+    sink = torch.cat([z(H, D), (sinks.to(q.dtype) / scale)[:, None], z(H, 7)], -1)
+    k = torch.cat([sink[None, :, None].expand(B, H, 1, D + 8), torch.cat([k, z(B, H, N, 8)], -1)], 2)
+    v = torch.cat([z(B, H, 1, v.shape[-1]), v], 2)
+    return q, k, v
+
+
+def reference_fwd_bwd(shape: Shape, q, k, v, do, sinks=None):
     """out, (dq, dk, dv) of exact attention on the same (bf16-valued) inputs, and a description.
 
     CUDA: fp32 through SDPA's memory-efficient backend (fp32-capable, O(N) memory, so N = 65536 fits), KV heads
     repeated for GQA (autograd sums dk/dv over the group). Falls back to SDPA cuDNN then flash in BF16 if that
-    fails. CPU: float64 through the math backend.
+    fails. CPU: float64 through the math backend. With sinks: the same attention with the sinks as one more
+    key (_with_sink_key).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -282,6 +314,12 @@ def reference_fwd_bwd(shape: Shape, q, k, v, do):
             def fwd(qq, kk, vv):
                 if groups > 1:
                     kk, vv = kk.repeat_interleave(groups, dim=1), vv.repeat_interleave(groups, dim=1)
+                if sinks is not None:
+                    scale = shape.D ** -0.5
+                    with sdpa_kernel(backend):
+                        return torch.nn.functional.scaled_dot_product_attention(
+                            *_with_sink_key(qq, kk, vv, sinks.detach(), scale), is_causal=shape.causal,
+                            scale=scale)[:, :, 1:]
                 with sdpa_kernel(backend):
                     return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=shape.causal)
 
@@ -462,6 +500,15 @@ def run_shape(shape: Shape, ops, args, device, log) -> dict:
             entry["reference_error"] = _one_line(exc)
             log(f"    reference FAILED: {_one_line(exc, 300)}")
         log(f"    reference: {entry.get('reference')} ({time.perf_counter() - t0:.1f} s)")
+    ref_sinks = None
+    if not args.skip_correctness and any(o in SINK_OPS for o in ops):
+        try:  # exact attention with the same sinks, for the sink ops' errors
+            out_ref, grads_ref, label, _ = reference_fwd_bwd(shape, q, k, v, do, make_sinks(shape, device, args.seed))
+            ref_sinks = (out_ref, grads_ref)
+            entry["reference_sinks"] = label + ", sinks as one more key"
+        except Exception as exc:  # noqa: BLE001
+            entry["reference_sinks_error"] = _one_line(exc)
+            log(f"    reference with sinks FAILED: {_one_line(exc, 300)}")
 
     # Baselines first: if one of our kernels breaks the CUDA context, the shape still has its baselines.
     for name in sorted(ops, key=lambda o: o in DM_OPS):
@@ -470,7 +517,7 @@ def run_shape(shape: Shape, ops, args, device, log) -> dict:
             entry["ops"][name] = {"op": name, "status": "error", "stage": "not run",
                                   "error": f"CUDA context broken earlier ({args.cuda_broken})"}
             continue
-        res = measure_op(name, shape, q, k, v, do, ref, args, log)
+        res = measure_op(name, shape, q, k, v, do, ref_sinks if name in SINK_OPS else ref, args, log)
         if res["status"] == "error" and device.type == "cuda" and not _cuda_alive():
             args.cuda_broken = f"after {shape.name} {name}: {res['error'][:200]}"
             log(f"    CUDA context is broken (sticky error): nothing after {shape.name} {name} can run")
@@ -502,7 +549,7 @@ def run_shape(shape: Shape, ops, args, device, log) -> dict:
         entry["anchor_estimates_ms"] = {
             key: base["fwdbwd_ms"] * ms / anchors["sdpa-cudnn"] for key, ms in anchors.items()
             if key != "sdpa-cudnn" and ms is not None}
-    del q, k, v, do, ref
+    del q, k, v, do, ref, ref_sinks
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return entry
@@ -747,8 +794,8 @@ def parse_args(argv=None):
     p.add_argument("--shapes", help="comma-separated presets or custom shapes like B2-H16-KV4-N8192-D128-causal "
                                     "(default: every preset)")
     p.add_argument("--quick", action="store_true", help=f"one shape ({', '.join(QUICK)})")
-    p.add_argument("--ops", help=f"comma-separated subset of {','.join(ALL_OPS)} (default: all; sdpa-cudnn is "
-                                 "the ratio base, keep it for ratios)")
+    p.add_argument("--ops", help=f"comma-separated subset of {','.join(ALL_OPS)} (default: all but dm-fp8-sinks; "
+                                 "sdpa-cudnn is the ratio base, keep it for ratios)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test: tiny shapes, reference backend, CUDA-only baselines skipped, no timing claims")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output directory")
@@ -761,6 +808,8 @@ def parse_args(argv=None):
                    help="at least this many timed runs per measurement (stretches rep for slow ops)")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds; shapes not started by then are recorded as skipped (0 = no limit)")
+    p.add_argument("--sinks", action="store_true",
+                   help="add the dm-fp8-sinks op (learnable attention sinks, d sinks in every backward)")
     p.add_argument("--skip-correctness", action="store_true", help="no reference, no error columns")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="list the presets and exit")
@@ -791,7 +840,9 @@ def main(argv=None) -> int:
         args.backend = args.backend or "triton"
         tokens = QUICK if args.quick else (args.shapes.split(",") if args.shapes else list(PRESETS))
         shapes = [parse_shape(t.strip()) for t in tokens if t.strip()]
-    ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(ALL_OPS)
+    ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(DEFAULT_OPS)
+    if args.sinks and not any(o in SINK_OPS for o in ops):
+        ops.insert(len([o for o in ops if o in DM_OPS]), SINK_OPS[0])
     unknown = [o for o in ops if o not in ALL_OPS]
     if unknown:
         print(f"error: unknown op(s) {unknown}; choose from {ALL_OPS}", file=sys.stderr)
@@ -817,7 +868,8 @@ def main(argv=None) -> int:
             "ops": ops,
             "ops_doc": "dm-* = hf_deltamatch.deltamatch_attention (backend=%s): fp8-matching, fp8-stale "
                        "(FlashAttention's delta = rowsum(dO*O)), bf16 (same algorithm, no quantization, matching "
-                       "delta); SDPA flash/cuDNN pinned with sdpa_kernel; Flex = torch.compile(flex_attention, "
+                       "delta), fp8-sinks (fp8-matching with learnable sinks, errors against exact attention "
+                       "with the same sinks); SDPA flash/cuDNN pinned with sdpa_kernel; Flex = torch.compile(flex_attention, "
                        "dynamic=False) with a causal block mask built outside timing" % args.backend,
             "timing": ("triton.testing.do_bench median, L2 flushed before every run (its default), warm-up %g ms, "
                        "rep %g ms stretched to >= %d timed runs; 2 untimed warm-up fwd+bwd calls first; fwd runs "

@@ -125,6 +125,22 @@ def _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqle
             raise ValueError("cu_seqlens must be non-decreasing.")
 
 
+def _check_sinks(sinks, q):
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape ({q.shape[1]},) (one logit per query head), "
+                        f"got {type(sinks).__name__}.")
+    if sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must have shape ({q.shape[1]},) (one logit per query head), got "
+                         f"{tuple(sinks.shape)}.")
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"sinks must be float32 (the softmax runs in fp32), got {sinks.dtype}: pass sinks.float() "
+                        "(differentiable, the gradient reaches the original parameter).")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}; move them to q's device.")
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(sinks).all()):  # one host sync per call
+        raise ValueError("sinks must be finite (a -inf sink is no sink: pass sinks=None).")
+
+
 # what _check_inputs reads of cu_seqlens (one host sync), per pair of cu_seqlens tensors: a model's layers share them
 _CU_FACTS = TensorCache()
 
@@ -147,23 +163,27 @@ def _attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
     window: Optional[int], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     precision: str, delta: str, block: int, scale_rounding: str, grad_format: str, backend: str,
-    deterministic: bool,
+    deterministic: bool, sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     return _forward_impl(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, precision, delta, block,
-                         scale_rounding, grad_format, backend, deterministic)
+                         scale_rounding, grad_format, backend, deterministic, sinks)
 
 
 def _forward_impl(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, precision, delta, block,
-                  scale_rounding, grad_format, backend, deterministic):
+                  scale_rounding, grad_format, backend, deterministic, sinks=None):
     config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
-    return _backend_module(backend).forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config)
+    out, lse, *saved = _backend_module(backend).forward(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, config=config)
+    if sinks is not None:  # after the kernels: out and LSE of the softmax with the sink (docs/numerics.md)
+        out, lse = reference.apply_sinks(out, lse, sinks)
+    return (out, lse, *saved)
 
 
 @_attention_forward.register_fake
 def _(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, precision, delta, block,
-      scale_rounding, grad_format, backend, deterministic):
+      scale_rounding, grad_format, backend, deterministic, sinks=None):
     B, Hq, N, _ = q.shape
     out = q.new_empty(B, Hq, N, v.shape[-1])
     lse = q.new_empty(B, Hq, N, dtype=torch.float32)
@@ -185,27 +205,36 @@ def _attention_backward(
     q_scale: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, causal: bool, softmax_scale: float,
     window: Optional[int], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     precision: str, delta: str, block: int, scale_rounding: str, grad_format: str, backend: str,
-    deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    deterministic: bool, sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
                           cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend,
-                          deterministic)
+                          deterministic, sinks)
 
 
 def _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
                    cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend,
-                   deterministic):
+                   deterministic, sinks=None):
+    """(dq, dk, dv, d sinks): with sinks, lse (and out) are the sink-aware ones the forward returned, and d sinks
+    comes from the delta the backend formed dS with; without, d sinks is empty."""
     config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
-    return tuple(_backend_module(backend).backward(
+    grads = _backend_module(backend).backward(
         do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal=causal, softmax_scale=softmax_scale,
-        window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config))
+        window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config,
+        return_delta=sinks is not None)
+    if sinks is None:
+        return (*grads, lse.new_empty(0))
+    dq, dk, dv, delta_rows = grads
+    return dq, dk, dv, reference.sinks_grad(lse, delta_rows, sinks)
 
 
 @_attention_backward.register_fake
 def _(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
-      cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend, deterministic):
+      cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend, deterministic,
+      sinks=None):
     qs, ks, vs = (q8, k8, v8) if precision == "fp8" else (q, k, v)
-    return (do.new_empty(qs.shape), do.new_empty(ks.shape), do.new_empty(vs.shape))
+    dsinks = lse.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return (do.new_empty(qs.shape), do.new_empty(ks.shape), do.new_empty(vs.shape), dsinks)
 
 
 _NON_TENSOR_ARGS = ("causal", "softmax_scale", "window", "cu_seqlens_q", "cu_seqlens_k", "precision", "delta",
@@ -215,6 +244,10 @@ _NON_TENSOR_ARGS = ("causal", "softmax_scale", "window", "cu_seqlens_q", "cu_seq
 def _setup_context(ctx, inputs, output):
     q, k, v, *rest = inputs
     ctx.args = dict(zip(_NON_TENSOR_ARGS, rest))
+    ctx.n_inputs = len(inputs)  # sinks (last) may be left out of a custom op call
+    at = 3 + len(_NON_TENSOR_ARGS)
+    sinks = inputs[at] if len(inputs) > at else None
+    ctx.sinks_grad = sinks is not None and ctx.needs_input_grad[at]  # needs the backward's delta
     out, lse, q8, k8, v8, sq, sk, sv = output
     # Only `out` carries a gradient; backprop through lse would otherwise be dropped silently.
     ctx.mark_non_differentiable(lse, q8, k8, v8, sq, sk, sv)
@@ -224,7 +257,7 @@ def _setup_context(ctx, inputs, output):
     stale = ctx.args["delta"] == "stale"
     # fp8 mode keeps only the quantized operands (half the bytes of bf16 q/k/v); O only for stale delta.
     ctx.save_for_backward(None if fp8 else q, None if fp8 else k, None if fp8 else v, out if stale else None,
-                          lse, q8, k8, v8, sq, sk, sv)
+                          lse, q8, k8, v8, sq, sk, sv, sinks if ctx.sinks_grad else None)
     ctx.check_call = debug.describe_call(
         q, k, v, causal=ctx.args["causal"], window=ctx.args["window"], cu_seqlens_q=ctx.args["cu_seqlens_q"],
         config=_config_from_args(**{a: ctx.args[a] for a in _CONFIG_ARGS})) if debug.enabled() else None
@@ -232,16 +265,16 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, *_unused_grads, backward_op=_attention_backward):
     if grad_out is None:  # out took no part in the loss (grads are not materialized)
-        return (None,) * (3 + len(_NON_TENSOR_ARGS))
-    q, k, v, out, lse, q8, k8, v8, sq, sk, sv = ctx.saved_tensors
+        return (None,) * ctx.n_inputs
+    q, k, v, out, lse, q8, k8, v8, sq, sk, sv, sinks = ctx.saved_tensors
     a = ctx.args
-    dq, dk, dv = backward_op(
+    dq, dk, dv, dsinks = backward_op(
         grad_out.contiguous(), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, a["causal"], a["softmax_scale"],
         a["window"], a["cu_seqlens_q"], a["cu_seqlens_k"], a["precision"], a["delta"], a["block"],
-        a["scale_rounding"], a["grad_format"], a["backend"], a["deterministic"])
+        a["scale_rounding"], a["grad_format"], a["backend"], a["deterministic"], sinks)
     if getattr(ctx, "check_call", None) is not None:
         debug.check(ctx.check_call, "backward", {"dq": dq, "dk": dk, "dv": dv}, grad_out)
-    return (dq, dk, dv) + (None,) * len(_NON_TENSOR_ARGS)
+    return ((dq, dk, dv) + (None,) * len(_NON_TENSOR_ARGS) + (dsinks if ctx.sinks_grad else None,))[:ctx.n_inputs]
 
 
 torch.library.register_autograd("hf_deltamatch::attention_forward", _backward, setup_context=_setup_context)
@@ -282,6 +315,7 @@ def deltamatch_attention(
     window: int | None = None,
     config: DeltaMatchConfig | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ):
     """FP8 attention with Delta-Matching backward (docs/numerics.md is the exact contract).
 
@@ -292,9 +326,14 @@ def deltamatch_attention(
     max_seqlen_*:  accepted for flash-attention compatibility (computed from cu_seqlens when needed).
     window:        sliding window with causal: each query sees its `window` most recent keys, itself included.
     config:        DeltaMatchConfig (default: `set_default_config`'s, then HF_DELTAMATCH_* env overrides).
+    sinks:         learnable attention sinks (gpt-oss `s_aux`): fp32 (Hq,), one logit per query head, in the units
+                   of softmax_scale * q.k, joining every softmax denominator with no value row; differentiable.
+                   The returned LSE then includes the sink.
     """
     config = (config or _default_config).with_env_overrides()
     _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if sinks is not None:
+        _check_sinks(sinks, q)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
@@ -319,7 +358,7 @@ def deltamatch_attention(
     op = _attention_forward if torch.compiler.is_compiling() else _EagerAttention.apply
     out, lse, *_ = op(
         q, k, v, bool(causal), float(softmax_scale), window, cu_seqlens_q, cu_seqlens_k, config.precision,
-        config.delta, config.block, config.scale_rounding, config.grad_format, backend, config.deterministic)
+        config.delta, config.block, config.scale_rounding, config.grad_format, backend, config.deterministic, sinks)
     if debug.enabled():
         call = debug.describe_call(q, k, v, causal=causal, window=window, cu_seqlens_q=cu_seqlens_q, config=config)
         debug.check(call, "forward", {"out": out})

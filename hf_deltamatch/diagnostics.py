@@ -57,11 +57,12 @@ def make_inputs(profile: str, batch=1, heads=2, kv_heads=None, n=1024, d=64, see
     return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v, do))
 
 
-def exact_attention(q, k, v, causal=True, softmax_scale=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None):
+def exact_attention(q, k, v, causal=True, softmax_scale=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                    sinks=None):
     """Float64 attention, materialized (small problems only): the ground truth of tests and diagnostics.
 
-    Same conventions as `deltamatch_attention` (bottom-right causal, window, varlen); rows that see no key
-    give 0.
+    Same conventions as `deltamatch_attention` (bottom-right causal, window, varlen, sinks: a logit column per
+    query head in the softmax, with no value row); rows that see no key give 0.
     """
     q, k, v = q.double(), k.double(), v.double()
     groups = q.shape[1] // k.shape[1]
@@ -83,7 +84,12 @@ def exact_attention(q, k, v, causal=True, softmax_scale=None, window=None, cu_se
             keep &= cols <= pos
             if window is not None:
                 keep &= cols > pos - window
-        p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+        s = s.masked_fill(~keep, float("-inf"))
+        if sinks is not None:
+            sink = sinks.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
         outs.append(torch.nan_to_num(p, nan=0.0) @ v[:, :, k0:k1])
     return torch.cat(outs, dim=2)
 

@@ -185,6 +185,7 @@ def _backward_group(ops: _Operands, do8, sdo, delta_stale, lse, n, m, causal, wi
     dv_tiles = ops.q.new_zeros(B, H, n_tiles, block, dv)
     row_sums = ops.q.new_zeros(B, H, n)  # sum_j dS_ij before quantization: the invariant, for diagnostics
     row_abs = ops.q.new_zeros(B, H, n)
+    deltas = ops.q.new_zeros(B, H, n)  # the delta dS used (attention sinks' gradient)
     do = do8.float()
     for r0 in range(0, n, DS_TILE_Q):
         r1 = min(n, r0 + DS_TILE_Q)
@@ -203,6 +204,7 @@ def _backward_group(ops: _Operands, do8, sdo, delta_stale, lse, n, m, causal, wi
         else:
             delta = delta_stale[:, :, r0:r1, None]
         ds = p * (dp - delta)
+        deltas[:, :, r0:r1] = delta[..., 0]
         row_sums[:, :, r0:r1] = ds.sum(dim=-1)
         row_abs[:, :, r0:r1] = ds.abs().sum(dim=-1)
         ds = _split_tiles(ds, block, 0.0)  # (B, H, rows, nK, T)
@@ -226,7 +228,7 @@ def _backward_group(ops: _Operands, do8, sdo, delta_stale, lse, n, m, causal, wi
     if ops.groups > 1:  # GQA: a KV head's gradient sums over its query heads
         dk = dk.reshape(B, H // ops.groups, ops.groups, m, dqk).sum(dim=2)
         dv_ = dv_.reshape(B, H // ops.groups, ops.groups, m, dv).sum(dim=2)
-    return dq, dk, dv_, row_sums, row_abs
+    return dq, dk, dv_, row_sums, row_abs, deltas
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -284,8 +286,10 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
 
 
 def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, causal, softmax_scale, window,
-             cu_seqlens_q, cu_seqlens_k, config: DeltaMatchConfig, return_row_sums: bool = False):
-    """Returns (dq, dk, dv) in the input dtypes (plus the dS row sums and |dS| row sums if asked).
+             cu_seqlens_q, cu_seqlens_k, config: DeltaMatchConfig, return_row_sums: bool = False,
+             return_delta: bool = False):
+    """Returns (dq, dk, dv) in the input dtypes (plus the dS row sums and |dS| row sums if asked, then the
+    fp32 (B, Hq, N) delta dS was formed with if asked: 0 on rows that see no key or lie outside every sequence).
 
     fp8 mode reads q8/k8/v8 and their scales (q/k/v may be None); bf16 mode reads q/k/v.
     `out` is needed for delta="stale" only.
@@ -313,6 +317,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     dv = torch.zeros(vs.shape, dtype=torch.float32, device=do.device)
     row_sums = torch.zeros(do.shape[:-1], dtype=torch.float32, device=do.device)
     row_abs = torch.zeros_like(row_sums)
+    deltas = torch.zeros_like(row_sums)
     for q0, q1, k0, k1 in segments:
         if q1 == q0 or k1 == k0:
             continue
@@ -322,7 +327,27 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         g = _backward_group(ops, do8[:, :, q0:q1], sdo[:, :, q0:q1], stale, lse[:, :, q0:q1], q1 - q0, k1 - k0,
                             causal, window, softmax_scale, config)
         dq[:, :, q0:q1], dk[:, :, k0:k1], dv[:, :, k0:k1] = g[0], g[1], g[2]
-        row_sums[:, :, q0:q1], row_abs[:, :, q0:q1] = g[3], g[4]
+        row_sums[:, :, q0:q1], row_abs[:, :, q0:q1], deltas[:, :, q0:q1] = g[3], g[4], g[5]
     grads = (dq.to(dtype), dk.to(dtype), dv.to(dtype))
-    return (*grads, row_sums, row_abs) if return_row_sums else grads
+    return (*grads, *((row_sums, row_abs) if return_row_sums else ()), *((deltas,) if return_delta else ()))
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention sinks (docs/numerics.md, "Attention sinks"): applied around either backend's forward and backward
+# ----------------------------------------------------------------------------------------------------
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """A sink logit s_h per query head joins every softmax denominator, with no value row:
+    LSE' = logaddexp(LSE, s_h), O' = O * exp(LSE - LSE') (in fp32, rounded once more to out's dtype).
+    A row that sees no key (LSE -inf) gets LSE' = s_h and O' = 0. Returns (O', LSE')."""
+    lse_s = torch.logaddexp(lse, sinks.view(1, -1, 1))
+    out_s = (out.float() * torch.exp(lse - lse_s)[..., None]).to(out.dtype)
+    return out_s, lse_s
+
+
+def sinks_grad(lse_s: torch.Tensor, delta: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d s_h = -sum_{b,i} P_i,sink * delta_i, P_i,sink = exp(s_h - LSE'_i), with the delta the backward formed dS
+    with (the sink's dP is 0, so its dS is -P_i,sink * delta_i). fp32, shape of sinks."""
+    return -(torch.exp(sinks.view(1, -1, 1) - lse_s) * delta).sum(dim=(0, 2))

@@ -75,6 +75,17 @@ def kimi_linear_config(**kw):
         num_experts_per_tok=2, moe_intermediate_size=32), kw))
 
 
+def gpt_oss_config(**kw):
+    """gpt-oss: learnable attention sinks (s_aux), layer 0 a sliding window of 8 tokens, layer 1 full attention;
+    GQA 4/2; a mixture of 4 experts, 2 per token."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(**_common(dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], num_local_experts=2, num_experts_per_tok=2,
+        intermediate_size=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), kw))
+
+
 CONFIGS = {
     "llama": llama_config,
     "qwen3": qwen3_config,
@@ -83,6 +94,9 @@ CONFIGS = {
     "deepseek_v3": deepseek_v3_config,
     "kimi_linear": kimi_linear_config,
 }
+
+# Models transformers runs without sdpa (compared with attn_implementation="eager"): attention sinks.
+EAGER_CONFIGS = {"gpt_oss": gpt_oss_config}
 
 # Models whose every token mixer is softmax attention (packing and padding are the attention's job alone).
 ATTENTION_ONLY = ("llama", "qwen3", "qwen3_sliding", "deepseek_v3")
@@ -100,7 +114,7 @@ def build(name: str, attn: str, dtype=torch.bfloat16, seed: int = 0, **config_ov
     """The model `name` with weights from `seed` (identical for every `attn`), in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    config = CONFIGS[name](**config_overrides)
+    config = {**CONFIGS, **EAGER_CONFIGS}[name](**config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     _perturb_norms(model, seed)
@@ -109,9 +123,12 @@ def build(name: str, attn: str, dtype=torch.bfloat16, seed: int = 0, **config_ov
 
 def _perturb_norms(model, seed):
     """Random init leaves some weights (norms, zero-initialized gates) at constants; give them spread so a
-    wrong attention output cannot hide behind a degenerate layer."""
+    wrong attention output cannot hide behind a degenerate layer. Attention sinks (initialized near 0) get a
+    spread of logits, so that each takes from a few percent to most of a row's weight."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".sinks"):
+                p.copy_(1.0 + 1.5 * torch.randn(p.shape, generator=g))

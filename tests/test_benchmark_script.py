@@ -147,6 +147,44 @@ def test_dry_run_end_to_end(tmp_path):
     assert last.startswith("| tiny-full:"), last  # the ANCHORS.md-style table is printed last
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_sinks_reference_is_exact_attention_with_sinks(bench, causal):
+    """The sink ops' reference (the sinks as one more key through SDPA) is float64 exact attention with a sink
+    column (hf_deltamatch.diagnostics), GQA included; and the sinks change it (the comparison can fail)."""
+    import torch
+
+    from hf_deltamatch.diagnostics import exact_attention
+
+    shape = bench.Shape("t", 2, 4, 2, 70, 32, causal)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(*s, generator=g).to(torch.bfloat16) for s in
+                   ((2, 4, 70, 32), (2, 2, 70, 32), (2, 2, 70, 32), (2, 4, 70, 32)))
+    sinks = bench.make_sinks(shape, "cpu", 0)
+    out, grads, label, _ = bench.reference_fwd_bwd(shape, q, k, v, do, sinks)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want = exact_attention(*leaves, causal=causal, sinks=sinks.detach())
+    want.backward(do.double())
+    for got, w in zip((out, *grads), (want, *(t.grad for t in leaves))):
+        assert bench.rel_err(got, w.detach()) < 1e-12
+    assert bench.rel_err(bench.reference_fwd_bwd(shape, q, k, v, do)[0], want.detach()) > 0.05
+
+
+def test_dry_run_with_sinks(tmp_path):
+    """--sinks adds dm-fp8-sinks, its errors taken against exact attention with the same sinks."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--sinks", "--out", str(tmp_path),
+                           "--shapes", "B1-H4-KV2-N160-D32-causal", "--ops", "dm-fp8-matching"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("attention-*-cpu.json")
+    (shape,) = json.loads(json_path.read_text())["shapes"]
+    assert list(shape["ops"]) == ["dm-fp8-matching", "dm-fp8-sinks", "sdpa-math"]
+    assert "sinks as one more key" in shape["reference_sinks"]
+    res = shape["ops"]["dm-fp8-sinks"]
+    assert res["status"] == "ok" and res["check"] == "ok", res
+    assert 0.01 < max(res["err"].values()) < 0.11  # FP8-level, not a wrong reference (tens of %)
+    assert "dm fp8 + sinks" in proc.stdout
+
+
 def test_gpu_check_skips_the_benchmark_when_the_tests_leave_too_little_time(tmp_path):
     """gpu_check.sh's control flow (the GPU tests and timing need the H200): with `true` as the interpreter the
     tests "pass" at once, and a 60 s total leaves under the 120 s the benchmark needs, so it is skipped with a

@@ -555,14 +555,6 @@ def test_output_attentions_raises():
         model(input_ids=token_ids(1, 16), output_attentions=True)
 
 
-def test_attention_sinks_raise():
-    """gpt-oss style sinks reach the attention function as `s_aux`."""
-    q = torch.randn(1, 4, 8, 16, dtype=torch.bfloat16)
-    module = torch.nn.Module()
-    with pytest.raises(ValueError, match=r"sinks.*eager"):
-        integration.deltamatch_attention_forward(module, q, q, q, None, s_aux=torch.zeros(4))
-
-
 def test_custom_4d_mask_raises():
     q = torch.randn(1, 4, 8, 16, dtype=torch.bfloat16)
     module = torch.nn.Module()

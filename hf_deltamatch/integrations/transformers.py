@@ -65,10 +65,10 @@ def _check_unsupported(module, dropout, softcap, kwargs):
             "deltamatch_fp8 does not support attention logit softcapping (softcap). Use attn_implementation="
             "'eager' or 'flex_attention' for this model."
         )
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+    if kwargs.get("sinks") is not None:
         raise ValueError(
-            "deltamatch_fp8 does not support attention sinks (s_aux). Use attn_implementation='eager' or "
-            "'flex_attention' for this model."
+            "deltamatch_fp8 supports learnable per-head attention sinks (passed as s_aux, as gpt-oss does), not "
+            "the per-token sinks passed as `sinks`. Use attn_implementation='eager' for this model."
         )
     if kwargs.get("position_bias") is not None:
         raise ValueError("deltamatch_fp8 does not support an additive position bias; use attn_implementation='sdpa'.")
@@ -101,13 +101,16 @@ def deltamatch_attention_forward(
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if value.dtype != query.dtype or key.dtype != query.dtype:
         key, value = key.to(query.dtype), value.to(query.dtype)
+    # learnable attention sinks (gpt-oss and others pass them as s_aux): fp32 for the op, the cast differentiable
+    sinks = kwargs.get("s_aux")
+    sinks = sinks.float() if sinks is not None else None
     window = sliding_window if causal and sliding_window is not None else None
     if sliding_window is not None and not causal:
         raise ValueError("deltamatch_fp8 supports sliding windows on causal attention only.")
     B, H, S, _ = query.shape
     kv_len = key.shape[2]
     attn = lambda q, k, v, **kw: deltamatch_attention(q, k, v, causal=causal, softmax_scale=scaling,  # noqa: E731
-                                                      window=window, **kw)
+                                                      window=window, sinks=sinks, **kw)
 
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(

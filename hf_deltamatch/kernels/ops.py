@@ -231,7 +231,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
 
 
 def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, causal, softmax_scale, window,
-             cu_seqlens_q, cu_seqlens_k, config, return_row_sums: bool = False):
+             cu_seqlens_q, cu_seqlens_k, config, return_row_sums: bool = False, return_delta: bool = False):
+    """(dq, dk, dv), then the row sums if asked, then delta (B, Hq, N) fp32 if asked (reference.backward's)."""
     fp8 = config.precision == "fp8"
     stale = config.delta == "stale"
     T = config.block
@@ -284,19 +285,21 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     dss_tq, dss_tk = (N // DS_TILE_Q + nseq, triton.cdiv(max_m, T)) if ds_scales else (0, 0)
     dss = torch.ones((B * Hq, dss_tq, dss_tk), dtype=torch.float32, device=dev) if ds_scales else delta
 
-    def _ret():
-        grads = (dq, dk, dv_)
-        return (*grads, rs, ra) if return_row_sums else grads
+    def _ret(delta=delta):
+        return (dq, dk, dv_, *((rs, ra) if return_row_sums else ()), *((delta,) if return_delta else ()))
 
     if B * Hq == 0 or nseq == 0 or (N == 0 and M == 0):
-        return _ret()
+        return _ret(delta.zero_())
     # Token-major copies are made right before the kernel that reads them and dropped after it (k8t for the dQ
     # kernel, q8t for the dK/dV kernel), but for dO8's, written by dO's quantization pass: at most two 1-byte
     # copies are alive at once.
     k8t = q8t = do8t = None
     if fp8 and varlen and hopper:
-        _backward_packed(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, _layout(cu_seqlens_q, packing),
-                         softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq)
+        seg = _layout(cu_seqlens_q, packing)
+        delta_p = _backward_packed(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, seg,
+                                   softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq)
+        if return_delta:
+            _unpad_rows(delta_p, seg, delta)
         return _ret()
     if fp8:
         do8, do8t, sdo = quantize(do, T, config.grad_format, config.scale_rounding, cu_seqlens_q, max_n,
@@ -382,6 +385,15 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     return _ret()
 
 
+def _unpad_rows(x, seg, out):
+    """A row array (B, H, seg.npad) of the padded layout back to the packed rows of out (B, H, N), in place:
+    segments.pad's inverse (the token of each padded row, as padded_layout maps them; other rows untouched)."""
+    tokens = torch.arange(seg.first, seg.last, device=x.device, dtype=torch.int32)
+    s = torch.searchsorted(seg.cu[1:], tokens, right=True)
+    out[:, :, seg.first:seg.last] = x.index_select(2, (seg.pcu[s] + tokens - seg.cu[s]).long())
+    return out
+
+
 def _blocks(n, warpgroups):
     """A Gluon kernel's programs over n rows (queries or keys): 64 per MMA warpgroup."""
     return triton.cdiv(max(n, 1), 64 * warpgroups)
@@ -420,3 +432,4 @@ def _backward_packed(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
     grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, True)
     dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
                 head_group=head_group, **common, **cfg)
+    return delta  # padded, as the kernels used it
