@@ -2,11 +2,13 @@
 
 FP8 tile scales follow tokens, not channels: one large channel sets a tile's scale and the others lose their bits.
 Two transforms that leave attention unchanged in exact arithmetic, applied before the op (either backend):
-  qk_rotation="hadamard":  q' = q R, k' = k R with R = diag(signs) blockdiag(H_b / sqrt(b)) orthogonal, so
-                           q' k'^T = q k^T; backward dq = dq' R^T, dk = dk' R^T.
+  qk_rotation="hadamard":  q' = q R_q, k' = k R_k with R_q R_k^T = I: R_q = R 2^-e, R_k = R 2^e, R = diag(signs)
+                           blockdiag(H_b / sqrt(b)) orthogonal, e in {0, 1/2} per block so that every entry is a
+                           power of two; q' k'^T = q k^T; backward dq = dq' R_q^T, dk = dk' R_k^T.
   smooth_k:                k' = k - mean_j k_j over the keys of each sequence (per batch row, KV head); query i's
                            scores all shift by q_i . mean, which softmax ignores; backward dk = dk' - mean_j dk'_j.
-Both run in fp32 (float64 for float64 inputs) with one rounding back to the input dtype.
+The rotation is a matmul in the input dtype (fp32 accumulation, one rounding: its matrices are exact there); means
+are taken in fp32 and subtracted as input-dtype constants (one rounding).
 """
 
 from __future__ import annotations
@@ -28,33 +30,36 @@ def hadamard_blocks(d: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _rotation_cpu(d: int) -> torch.Tensor:
-    """R (d, d) float64: diag(signs) @ blockdiag(H_b / sqrt(b)), H_b the Sylvester Hadamard matrix of order b."""
+def _rotations_cpu(d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R_q, R_k) (d, d) float64: diag(signs) @ blockdiag(H_b * 2^-ceil(log2(b) / 2)) and the same with
+    2^-floor(log2(b) / 2), H_b the Sylvester Hadamard matrix of order b: R_q R_k^T = I, entries +-2^-m."""
     signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(_SIGN_SEED + d),
                           dtype=torch.int64).double() * 2 - 1
-    r = torch.zeros(d, d, dtype=torch.float64)
+    r_q, r_k = torch.zeros(d, d, dtype=torch.float64), torch.zeros(d, d, dtype=torch.float64)
     start = 0
     for b in hadamard_blocks(d):
         h = torch.ones(1, 1, dtype=torch.float64)
         while h.shape[0] < b:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        r[start:start + b, start:start + b] = h / b ** 0.5
+        log2b = b.bit_length() - 1
+        r_q[start:start + b, start:start + b] = h * 2.0 ** -((log2b + 1) // 2)
+        r_k[start:start + b, start:start + b] = h * 2.0 ** -(log2b // 2)
         start += b
-    return signs[:, None] * r
+    return signs[:, None] * r_q, signs[:, None] * r_k
 
 
 _ROTATIONS: dict = {}
 
 
-def rotation_matrix(d: int, device, dtype=torch.float32) -> torch.Tensor:
-    """The head-dim rotation R (d, d) on `device` (cached; built once on the CPU in float64)."""
+def rotation_matrices(d: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R_q, R_k) for head dim d on `device` in `dtype` (exact in any float dtype; cached)."""
     key = (d, torch.device(device), dtype)
     if key not in _ROTATIONS:
-        _ROTATIONS[key] = _rotation_cpu(d).to(device=device, dtype=dtype)
+        _ROTATIONS[key] = tuple(r.to(device=device, dtype=dtype) for r in _rotations_cpu(d))
     return _ROTATIONS[key]
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
@@ -66,17 +71,19 @@ def _sequence_of_tokens(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _key_means(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """Mean over the tokens of each sequence: (B, H, 1, D) for a dense batch, (B, H, nseq, D) for a packed one.
+    """Mean over the tokens of each sequence in fp32 (float64 for float64 x): (B, H, 1, D) for a dense batch,
+    (B, H, nseq, D) for a packed one.
 
     Packed: differences of one prefix sum (deterministic on every device, unlike scatter-adds); its fp32 rounding
     moves the mean by ~1e-7 x the prefix's magnitude, and any vector subtracted from all keys of a sequence is exact.
     """
+    acc = _accumulate_dtype(x)
     if cu_seqlens is None:
-        return x.mean(dim=2, keepdim=True)
+        return x.mean(dim=2, keepdim=True, dtype=acc)
     cu = cu_seqlens.long()
-    prefix = torch.nn.functional.pad(x.cumsum(dim=2), (0, 0, 1, 0))
+    prefix = torch.nn.functional.pad(x.cumsum(dim=2, dtype=acc), (0, 0, 1, 0))
     sums = prefix[:, :, cu[1:]] - prefix[:, :, cu[:-1]]
-    return sums / (cu[1:] - cu[:-1]).clamp_min(1).to(x.dtype)[:, None]
+    return sums / (cu[1:] - cu[:-1]).clamp_min(1).to(acc)[:, None]
 
 
 def _per_token(means: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
@@ -87,40 +94,39 @@ def _per_token(means: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
 
 
 def _center(x: torch.Tensor, cu_seqlens: torch.Tensor | None, seq: torch.Tensor | None):
-    means = _key_means(x, cu_seqlens)
+    """x minus its per-sequence means, rounded to x's dtype first (any constant is exact; one rounding of the
+    difference), and those rounded means."""
+    means = _key_means(x, cu_seqlens).to(x.dtype)
     return x - _per_token(means, seq), means
 
 
 class _TransformQK(torch.autograd.Function):
-    """y = C(x) R in fp32, cast to x's dtype; C centers the keys of each sequence (or is the identity), R rotates
-    the head dim (or is the identity). Its vector-Jacobian product is dx = C(dy R^T): C is an orthogonal
-    projection (symmetric), R is orthogonal. The forward also returns the subtracted means (no gradient)."""
+    """y = C(x) R; C centers the keys of each sequence (or is the identity), R is R_q or R_k (or the identity).
+    Its vector-Jacobian product is dx = C(dy R^T): C is an orthogonal projection (symmetric). The forward also
+    returns the subtracted means (no gradient)."""
 
     @staticmethod
     def forward(ctx, x, r, center, cu_seqlens):
         ctx.r, ctx.center, ctx.cu_seqlens = r, center, cu_seqlens
         ctx.seq = _sequence_of_tokens(cu_seqlens, x.shape[2]) if center and cu_seqlens is not None else None
-        y = x.to(_compute_dtype(x))
-        means = None
+        y, means = x, x.new_empty(0)
         if center:
             y, means = _center(y, cu_seqlens, ctx.seq)
         if r is not None:
-            y = y @ r.to(y.dtype)
-        if means is None:
-            means = x.new_empty(0, dtype=torch.float32)
+            y = y @ r
         ctx.mark_non_differentiable(means)
-        return y.to(x.dtype), means
+        return y, means
 
     @staticmethod
     def backward(ctx, dy, _dmeans):
         if dy is None:
             return None, None, None, None
-        g = dy.to(_compute_dtype(dy))
+        g = dy
         if ctx.r is not None:
-            g = g @ ctx.r.to(g.dtype).T
+            g = g @ ctx.r.T
         if ctx.center:
             g = _center(g, ctx.cu_seqlens, ctx.seq)[0]
-        return g.to(dy.dtype), None, None, None
+        return g, None, None, None
 
 
 def transform_qk(q, k, rotation: str = "none", smooth_k: bool = False, cu_seqlens_k=None):
@@ -131,14 +137,16 @@ def transform_qk(q, k, rotation: str = "none", smooth_k: bool = False, cu_seqlen
     """
     if rotation not in ROTATIONS:
         raise ValueError(f"qk_rotation={rotation!r} is not supported; choose one of {list(ROTATIONS)}.")
-    r = rotation_matrix(q.shape[-1], q.device, _compute_dtype(q)) if rotation == "hadamard" else None
-    if r is not None:
-        q = _TransformQK.apply(q, r, False, None)[0]
-    if r is not None or smooth_k:
-        k, means = _TransformQK.apply(k, r, smooth_k, cu_seqlens_k)
+    r_q = r_k = None
+    if rotation == "hadamard":
+        r_q, r_k = rotation_matrices(q.shape[-1], q.device, q.dtype)
+        q = _TransformQK.apply(q, r_q, False, None)[0]
+    if r_k is not None or smooth_k:
+        k, means = _TransformQK.apply(k, r_k, smooth_k, cu_seqlens_k)
     if not smooth_k:
         return q, k, None
-    return q, k, means if r is None else means @ r.to(means.dtype)
+    means = means.to(_accumulate_dtype(means))
+    return q, k, means if r_k is None else means @ r_k.to(means.dtype)
 
 
 @torch.no_grad()
