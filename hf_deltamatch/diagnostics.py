@@ -21,9 +21,8 @@ from .attention import deltamatch_attention
 from .config import DeltaMatchConfig
 
 PROFILES = ("gaussian", "outliers", "sinks", "qk-outliers", "k-outliers", "k-bias")
-# outlier channels of q/k as trained LLMs carry them (issue #29's table): channel count, k and q factors, k bias
-_QK_CHANNEL_PROFILES = {"qk-outliers": (4, 20.0, 4.0, 0.0), "k-outliers": (4, 8.0, 1.0, 0.0),
-                        "k-bias": (4, 1.0, 1.0, 8.0)}
+# outlier channels of q/k as trained LLMs carry them (issue #29's table, 4 of 128 channels): k and q factors, k bias
+_QK_CHANNEL_PROFILES = {"qk-outliers": (20.0, 4.0, 0.0), "k-outliers": (8.0, 1.0, 0.0), "k-bias": (1.0, 1.0, 8.0)}
 MODES = (("fp8", "matching"), ("fp8", "stale"), ("bf16", "matching"))
 # fp8-matching again with the outlier pre-transforms (DeltaMatchConfig.qk_rotation, smooth_k): rows "+hadamard" etc.
 QK_TRANSFORMS = (("hadamard", False), ("none", True), ("hadamard", True))
@@ -44,8 +43,8 @@ def make_inputs(profile: str, batch=1, heads=2, kv_heads=None, n=1024, d=64, see
                 device="cpu"):
     """q, k, v, dO for an input profile: gaussian; outliers (a few channels larger: 4x in q/k,
     20x in v, as in LLM activations); sinks (every query attends strongly to the first key, as trained LLMs do);
-    outlier channels of q and k, the same 4 channels in both: qk-outliers (x20 in k, x4 in q), k-outliers (x8 in
-    k), k-bias (+8 on k: a shared offset of every key, what K smoothing removes)."""
+    outlier channels of q and k, the same d/32 channels in both (4 at d=128): qk-outliers (x20 in k, x4 in q),
+    k-outliers (x8 in k), k-bias (+8 on k: a shared offset of every key, what K smoothing removes)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown input profile {profile!r}; choose one of {list(PROFILES)}")
     kv_heads = kv_heads or heads
@@ -60,8 +59,8 @@ def make_inputs(profile: str, batch=1, heads=2, kv_heads=None, n=1024, d=64, see
         k[..., channels] *= 4.0
         v[..., channels] *= 20.0
     elif profile in _QK_CHANNEL_PROFILES:
-        count, k_factor, q_factor, k_bias = _QK_CHANNEL_PROFILES[profile]
-        channels = torch.randperm(d, generator=g)[:count]
+        k_factor, q_factor, k_bias = _QK_CHANNEL_PROFILES[profile]
+        channels = torch.randperm(d, generator=g)[: max(1, d // 32)]
         k[..., channels] = k[..., channels] * k_factor + k_bias
         q[..., channels] *= q_factor
     elif profile == "sinks":

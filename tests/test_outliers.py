@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_attention import BOUND, exact_lse, make, rel, run_exact, run_op
 
+import hf_deltamatch
 from hf_deltamatch import DeltaMatchConfig, deltamatch_attention, diagnostics, outliers
 
 OPTIONS = {"hadamard": dict(qk_rotation="hadamard"), "smooth_k": dict(smooth_k=True),
@@ -161,6 +162,17 @@ def test_smoothing_lowers_fp8_errors_on_a_key_bias():
     assert out0 > 1.1 * out1 and dq0 > 1.2 * dq1, (out0, out1, dq0, dq1)
 
 
+def test_check_reports_the_transforms():
+    """`hf-deltamatch check`'s rows for the transforms: the invariant holds on the op's inputs, the rotation's
+    gain shows on the outlier profile, and smoothing's backward removes the key-gradient drift sum_j dK_j."""
+    rows = {r.mode: r for r in diagnostics.run("qk-outliers", n=256, d=128, heads=2)}
+    plain = rows["fp8-matching"]
+    for mode in ("fp8-matching+hadamard", "fp8-matching+smooth_k", "fp8-matching+hadamard+smooth_k"):
+        assert rows[mode].row_sum_residual < 1e-5, mode
+    assert plain.err_out > 2 * rows["fp8-matching+hadamard"].err_out
+    assert plain.dk_drift > 3 * rows["fp8-matching+smooth_k"].dk_drift
+
+
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("case", ["causal-gqa", "packed"])
 def test_lse_is_the_original_problems(case, option):
@@ -249,3 +261,41 @@ def test_rotation_on_the_gpu_at_the_issues_shape():
             assert rel(a, b.double()) <= 1e-2  # Hopper's FP8 MMA accumulation (tests/test_kernels_gpu.py)
         errs[rotation] = (rel(got[0], want[0]), rel(got[1], want[1]))
     assert errs["none"][0] > 2 * errs["hadamard"][0] and errs["none"][1] > 2 * errs["hadamard"][1], errs
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])  # GQA; MLA (q/k head dim 32, v 16)
+def test_tiny_models_with_the_transforms_match_sdpa(name, monkeypatch):
+    """Through transformers (tests/test_transformers_models.py's tiny models and bf16-mode tolerances): the
+    transforms apply to every call of the op, training and padded batches (unpadded into varlen sequences, so
+    smoothing sees no pad token)."""
+    pytest.importorskip("transformers")
+    import test_transformers_models as tm
+
+    from hf_deltamatch.integrations import transformers as integration
+
+    calls = []
+    real_op = integration.deltamatch_attention
+    monkeypatch.setattr(integration, "deltamatch_attention", lambda *a, **kw: calls.append(kw) or real_op(*a, **kw))
+    hf_deltamatch.set_default_config(DeltaMatchConfig(precision="bf16", qk_rotation="hadamard", smooth_k=True))
+    ids = tm.token_ids(2, 48)
+    ref_logits, ref_grads = tm.run_fwd_bwd(tm.tiny.build(name, "sdpa"), ids)
+    logits, grads = tm.run_fwd_bwd(tm.tiny.build(name, "deltamatch_fp8"), ids)
+    assert len(calls) == tm.tiny.n_attention_layers(tm.tiny.build(name, "sdpa").config)
+    assert tm.rel_err(logits, ref_logits) <= tm.BF16_FWD_TOL
+    assert tm.rel_err(tm.flat(grads), tm.flat(ref_grads)) <= tm.BF16_GRAD_TOL
+    hf_deltamatch.set_default_config(DeltaMatchConfig(precision="bf16"))
+    plain_logits, _ = tm.run_fwd_bwd(tm.tiny.build(name, "deltamatch_fp8"), ids)
+    assert not torch.equal(plain_logits, logits)  # the transforms ran: their rounding shows
+
+    hf_deltamatch.set_default_config(DeltaMatchConfig(precision="bf16", qk_rotation="hadamard", smooth_k=True))
+    model = tm.tiny.build(name, "deltamatch_fp8", dtype=torch.float32)
+    seqs = [tm.token_ids(1, n, seed=10 + i)[0] for i, n in enumerate([30, 17])]
+    ids = torch.zeros(2, 30, dtype=torch.long)
+    mask = torch.zeros(2, 30, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = s, 1
+    with torch.no_grad():
+        padded = model(input_ids=ids, attention_mask=mask).logits
+        assert calls[-1]["cu_seqlens_k"].tolist() == [0, 30, 47]
+        for i, s in enumerate(seqs):
+            assert tm.rel_err(padded[i, :len(s)], model(input_ids=s[None]).logits[0]) <= 2e-3
