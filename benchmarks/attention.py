@@ -17,6 +17,8 @@ Results go to <out>/attention-<date>-<gpu>.json and .md; the markdown is printed
   python benchmarks/attention.py --shapes n8192c,gqa --ops dm-fp8-matching,sdpa-cudnn
   python benchmarks/attention.py --shapes gptoss --sinks   # the sinks row (gpt-oss-like GQA 8:1, D=64)
   python benchmarks/attention.py --dry-run       # CPU smoke test of the code path and writers, no timing claims
+  python benchmarks/attention.py --quick --qk-transforms --ops dm-fp8-matching,sdpa-cudnn
+                                                 # + the cost of qk_rotation / smooth_k vs dm-fp8-matching
 
 Conventions (shared/ANCHORS.md): FLOPs fwd = 4*B*Hq*N^2*D (halved for causal), bwd = 2.5x, fwd+bwd = 3.5x;
 times are triton.testing.do_bench medians with the L2 flushed before each run.
@@ -47,7 +49,8 @@ if str(ROOT) not in sys.path:  # `python benchmarks/attention.py` puts benchmark
 # The benchmark chooses each op's precision and delta itself: these overrides would silently change what a
 # column measures (deltamatch_attention applies them at every call), so they are dropped and reported.
 _DROPPED_ENV = {var: os.environ.pop(var) for var in ("HF_DELTAMATCH_PRECISION", "HF_DELTAMATCH_DELTA",
-                                                     "HF_DELTAMATCH_BACKEND") if var in os.environ}
+                                                     "HF_DELTAMATCH_BACKEND", "HF_DELTAMATCH_QK_ROTATION",
+                                                     "HF_DELTAMATCH_SMOOTH_K") if var in os.environ}
 
 import torch  # noqa: E402  (after the environment clean-up above)
 
@@ -139,13 +142,26 @@ DM_OPS = {  # name -> DeltaMatchConfig fields
     "dm-fp8-sinks": {"precision": "fp8", "delta": "matching"},
 }
 SINK_OPS = ("dm-fp8-sinks",)  # with sinks (make_sinks), d sinks computed in every backward; run with --sinks
+# The outlier pre-transforms (docs/numerics.md, "Outlier channels"), timed with --qk-transforms; their cost is
+# reported against dm-fp8-matching in the same run (issue #29's target: <= 3 % of fwd+bwd at D=128, N=8192).
+QK_TRANSFORM_OPS = {
+    "dm-fp8-hadamard": {"precision": "fp8", "delta": "matching", "qk_rotation": "hadamard"},
+    "dm-fp8-smooth-k": {"precision": "fp8", "delta": "matching", "smooth_k": True},
+    "dm-fp8-hadamard-smooth-k": {"precision": "fp8", "delta": "matching", "qk_rotation": "hadamard",
+                                 "smooth_k": True},
+}
+COST_BASE = "dm-fp8-matching"
 CUDA_BASELINES = ["sdpa-flash", "sdpa-cudnn", "flex"]
+DEFAULT_OPS = [*DM_OPS, *CUDA_BASELINES]
+DM_OPS.update(QK_TRANSFORM_OPS)
 ALL_OPS = [*DM_OPS, *CUDA_BASELINES]
 DEFAULT_OPS = [o for o in ALL_OPS if o not in SINK_OPS]
 DRY_RUN_BASE = "sdpa-math"  # CPU stand-in for the ratio base in --dry-run only
 OP_TITLES = {"dm-fp8-matching": "dm fp8-matching", "dm-fp8-stale": "dm fp8-stale", "dm-bf16": "dm bf16",
              "dm-fp8-sinks": "dm fp8 + sinks",
-             "sdpa-flash": "SDPA flash", "sdpa-cudnn": "SDPA cuDNN", "flex": "Flex", "sdpa-math": "SDPA math"}
+             "sdpa-flash": "SDPA flash", "sdpa-cudnn": "SDPA cuDNN", "flex": "Flex", "sdpa-math": "SDPA math",
+             "dm-fp8-hadamard": "dm fp8 +hadamard", "dm-fp8-smooth-k": "dm fp8 +smooth_k",
+             "dm-fp8-hadamard-smooth-k": "dm fp8 +both"}
 # Sanity bounds for the "check" column (not the test suite's tolerances): BF16 kernels land near 3e-3 against
 # fp32 (ANCHORS.md), FP8 ones near 3-5 %; anything far beyond is a broken kernel, however fast.
 ERR_BOUND = {"bf16": 2e-2, "fp8": 1.5e-1}
@@ -544,6 +560,11 @@ def run_shape(shape: Shape, ops, args, device, log) -> dict:
         if base and base.get("status") == "ok" and res.get("status") == "ok":
             # > 1: faster than SDPA cuDNN BF16 measured in this run on the same inputs
             res["speedup_vs_base"] = {key: base[f"{key}_ms"] / res[f"{key}_ms"] for key in ("fwd", "bwd", "fwdbwd")}
+        cost_base = entry["ops"].get(COST_BASE)
+        if name in QK_TRANSFORM_OPS and cost_base and cost_base.get("status") == "ok" and res.get("status") == "ok":
+            # the transforms' share: their op's time over dm-fp8-matching's, minus 1 (target <= 0.03 at fwd+bwd)
+            res["cost_vs_fp8_matching"] = {key: res[f"{key}_ms"] / cost_base[f"{key}_ms"] - 1
+                                           for key in ("fwd", "bwd", "fwdbwd")}
     anchors = ANCHOR_FWDBWD_MS.get(shape.name)
     if anchors and device.type == "cuda" and base and base.get("status") == "ok":
         entry["anchor_estimates_ms"] = {
@@ -710,6 +731,9 @@ def summary_md(report) -> list[str]:
             sp = res.get("speedup_vs_base", {}).get("fwdbwd")
             if o in DM_OPS and _finite(sp):
                 cell += f" {sp:.2f}×"
+            cost = res.get("cost_vs_fp8_matching", {}).get("fwdbwd")
+            if _finite(cost):
+                cell += f" ({100 * cost:+.1f} % vs {OP_TITLES[COST_BASE]})"
             if res.get("check", "ok") != "ok":
                 cell += " **WRONG**"
             cells.append(cell)
@@ -794,8 +818,12 @@ def parse_args(argv=None):
     p.add_argument("--shapes", help="comma-separated presets or custom shapes like B2-H16-KV4-N8192-D128-causal "
                                     "(default: every preset)")
     p.add_argument("--quick", action="store_true", help=f"one shape ({', '.join(QUICK)})")
-    p.add_argument("--ops", help=f"comma-separated subset of {','.join(ALL_OPS)} (default: all but dm-fp8-sinks; "
-                                 "sdpa-cudnn is the ratio base, keep it for ratios)")
+    p.add_argument("--ops", help=f"comma-separated subset of {','.join(ALL_OPS)} (default: all but dm-fp8-sinks "
+                                 f"and the {', '.join(QK_TRANSFORM_OPS)} of --qk-transforms; sdpa-cudnn is "
+                                 "the ratio base, keep it for ratios)")
+    p.add_argument("--qk-transforms", action="store_true",
+                   help=f"also time {', '.join(QK_TRANSFORM_OPS)} (DeltaMatchConfig qk_rotation / smooth_k) and "
+                        f"report their fwd+bwd cost against {COST_BASE} (added to the ops if missing)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU smoke test: tiny shapes, reference backend, CUDA-only baselines skipped, no timing claims")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output directory")
@@ -843,6 +871,8 @@ def main(argv=None) -> int:
     ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(DEFAULT_OPS)
     if args.sinks and not any(o in SINK_OPS for o in ops):
         ops.insert(len([o for o in ops if o in DM_OPS]), SINK_OPS[0])
+    if args.qk_transforms:
+        ops += [o for o in (COST_BASE, *QK_TRANSFORM_OPS) if o not in ops]
     unknown = [o for o in ops if o not in ALL_OPS]
     if unknown:
         print(f"error: unknown op(s) {unknown}; choose from {ALL_OPS}", file=sys.stderr)
@@ -869,8 +899,10 @@ def main(argv=None) -> int:
             "ops_doc": "dm-* = hf_deltamatch.deltamatch_attention (backend=%s): fp8-matching, fp8-stale "
                        "(FlashAttention's delta = rowsum(dO*O)), bf16 (same algorithm, no quantization, matching "
                        "delta), fp8-sinks (fp8-matching with learnable sinks, errors against exact attention "
-                       "with the same sinks); SDPA flash/cuDNN pinned with sdpa_kernel; Flex = torch.compile(flex_attention, "
-                       "dynamic=False) with a causal block mask built outside timing" % args.backend,
+                       "with the same sinks), fp8 +hadamard/+smooth_k/+both (fp8-matching with qk_rotation='hadamard' / "
+                       "smooth_k=True / both; in parentheses their fwd+bwd time over fp8-matching's); SDPA "
+                       "flash/cuDNN pinned with sdpa_kernel; Flex = torch.compile(flex_attention, dynamic=False) "
+                       "with a causal block mask built outside timing" % args.backend,
             "timing": ("triton.testing.do_bench median, L2 flushed before every run (its default), warm-up %g ms, "
                        "rep %g ms stretched to >= %d timed runs; 2 untimed warm-up fwd+bwd calls first; fwd runs "
                        "with grad enabled (as in training); bwd = backward alone on a retained graph "

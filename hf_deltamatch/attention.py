@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from . import debug, reference
+from . import debug, outliers, reference
 from ._tensor_cache import TensorCache
 from .config import DeltaMatchConfig
 
@@ -354,12 +354,23 @@ def deltamatch_attention(
             backend = "reference"
     if cu_seqlens_q is not None:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
+    key_means = None
+    q_in, k_in = q, k
+    if config.smooth_k and sinks is not None:
+        # smoothing lowers query i's scores by softmax_scale * q_i . mean(k), a sink's logit would need the same
+        raise ValueError("smooth_k=True is not supported with attention sinks (the sink logit would have to move "
+                         "with each query's scores); use qk_rotation='hadamard' alone, or smooth_k=False.")
+    if config.qk_rotation != "none" or config.smooth_k:  # exact pre-transforms against outlier channels
+        q, k, key_means = outliers.transform_qk(q, k, config.qk_rotation, config.smooth_k, cu_seqlens_k)
     # torch.compile traces the custom op; eager calls take the same code without its dispatch (module docstring)
     op = _attention_forward if torch.compiler.is_compiling() else _EagerAttention.apply
     out, lse, *_ = op(
         q, k, v, bool(causal), float(softmax_scale), window, cu_seqlens_q, cu_seqlens_k, config.precision,
         config.delta, config.block, config.scale_rounding, config.grad_format, backend, config.deterministic, sinks)
     if debug.enabled():
-        call = debug.describe_call(q, k, v, causal=causal, window=window, cu_seqlens_q=cu_seqlens_q, config=config)
+        call = debug.describe_call(q_in, k_in, v, causal=causal, window=window, cu_seqlens_q=cu_seqlens_q,
+                                   config=config)
         debug.check(call, "forward", {"out": out})
+    if return_lse and key_means is not None:  # smoothing lowered every score of query i by the same amount
+        lse = lse + outliers.lse_shift(q, key_means, softmax_scale, cu_seqlens_q)
     return (out, lse) if return_lse else out

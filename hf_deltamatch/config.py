@@ -4,6 +4,8 @@ Environment overrides (read at every call, for ablations without code changes):
   HF_DELTAMATCH_PRECISION = fp8 | bf16
   HF_DELTAMATCH_DELTA     = matching | stale
   HF_DELTAMATCH_BACKEND   = auto | triton | reference
+  HF_DELTAMATCH_QK_ROTATION = none | hadamard
+  HF_DELTAMATCH_SMOOTH_K  = 0 | 1 (also false | true)
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ _CHOICES = {
     "scale_rounding": ("fp32", "pow2"),
     "grad_format": ("e4m3", "e5m2"),
     "backend": ("auto", "triton", "reference"),
+    "qk_rotation": ("none", "hadamard"),
 }
 _ENV = {
     "precision": "HF_DELTAMATCH_PRECISION",
     "delta": "HF_DELTAMATCH_DELTA",
     "backend": "HF_DELTAMATCH_BACKEND",
+    "qk_rotation": "HF_DELTAMATCH_QK_ROTATION",
 }
+_BOOL_ENV = {"smooth_k": "HF_DELTAMATCH_SMOOTH_K"}
+_BOOL_VALUES = {"1": True, "true": True, "0": False, "false": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +48,11 @@ class DeltaMatchConfig:
     deterministic:  bit-reproducible gradients. Both backends already are (the Triton backward writes every
                     dQ/dK/dV element once, no atomics: fusing dQ into dK/dV by atomics made backward 2x slower on the H200), so this
                     costs nothing today; it stays so that a future faster non-deterministic path is opt-in.
+    qk_rotation:    "hadamard" rotates q and k by one fixed orthogonal matrix over the head dim (random signs
+                    times a Hadamard matrix) before quantization: scores unchanged in exact arithmetic, outlier
+                    channels spread over all channels; "none" (default). docs/numerics.md, "Outlier channels".
+    smooth_k:       subtract from k its mean over the keys of each sequence before quantization (softmax is
+                    shift-invariant per query); removes a shared bias of the keys from their FP8 tiles.
     """
 
     precision: str = "fp8"
@@ -51,6 +62,8 @@ class DeltaMatchConfig:
     grad_format: str = "e4m3"
     backend: str = "auto"
     deterministic: bool = False
+    qk_rotation: str = "none"
+    smooth_k: bool = False
 
     def __post_init__(self):
         for field, choices in _CHOICES.items():
@@ -59,6 +72,8 @@ class DeltaMatchConfig:
                 raise ValueError(
                     f"DeltaMatchConfig.{field}={value!r} is not supported; choose one of {list(choices)}."
                 )
+        if not isinstance(self.smooth_k, bool):
+            raise ValueError(f"DeltaMatchConfig.smooth_k must be True or False, got {self.smooth_k!r}.")
 
     def with_env_overrides(self) -> "DeltaMatchConfig":
         """This config with the HF_DELTAMATCH_* environment variables applied (they win over code)."""
@@ -70,6 +85,12 @@ class DeltaMatchConfig:
                 if value not in _CHOICES[field]:
                     raise ValueError(f"{var}={value!r} is not supported; choose one of {list(_CHOICES[field])}.")
                 changes[field] = value
+        for field, var in _BOOL_ENV.items():
+            value = os.environ.get(var)
+            if value:
+                if value.strip().lower() not in _BOOL_VALUES:
+                    raise ValueError(f"{var}={value!r} is not supported; use 1/0 or true/false.")
+                changes[field] = _BOOL_VALUES[value.strip().lower()]
         return dataclasses.replace(self, **changes) if changes else self
 
     def replace(self, **changes) -> "DeltaMatchConfig":

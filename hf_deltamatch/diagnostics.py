@@ -1,10 +1,12 @@
 """The paper's point in one minute, on any machine: stale delta breaks softmax's zero-row-sum, matching keeps it.
 
-For one attention problem, compares precision="fp8" with delta="matching" and "stale", and precision="bf16",
-against float64 exact attention:
+For one attention problem, compares precision="fp8" with delta="matching" and "stale", precision="bf16", and
+fp8-matching with the outlier pre-transforms (qk_rotation="hadamard", smooth_k, both), against float64 exact
+attention:
   - dS row-sum residual  ||sum_j dS_ij|| / ||sum_j |dS_ij|||   (exact attention: 0; the invariant)
   - relative error of out, dQ, dK, dV  ||x - exact|| / ||exact||
-  - key-gradient drift   ||sum_j dK_j|| / ||dK||             (exact attention: 0, since sum_j dS_ij = 0)
+  - key-gradient drift   ||sum_j dK_j|| / ||dK||             (exact attention: 0, since sum_j dS_ij = 0;
+                                                             smooth_k's backward projects it to 0)
 """
 
 from __future__ import annotations
@@ -14,12 +16,16 @@ import math
 
 import torch
 
-from . import reference
+from . import outliers, reference
 from .attention import deltamatch_attention
 from .config import DeltaMatchConfig
 
-PROFILES = ("gaussian", "outliers", "sinks")
+PROFILES = ("gaussian", "outliers", "sinks", "qk-outliers", "k-outliers", "k-bias")
+# outlier channels of q/k as trained LLMs carry them (issue #29's table, 4 of 128 channels): k and q factors, k bias
+_QK_CHANNEL_PROFILES = {"qk-outliers": (20.0, 4.0, 0.0), "k-outliers": (8.0, 1.0, 0.0), "k-bias": (1.0, 1.0, 8.0)}
 MODES = (("fp8", "matching"), ("fp8", "stale"), ("bf16", "matching"))
+# fp8-matching again with the outlier pre-transforms (DeltaMatchConfig.qk_rotation, smooth_k): rows "+hadamard" etc.
+QK_TRANSFORMS = (("hadamard", False), ("none", True), ("hadamard", True))
 
 
 @dataclasses.dataclass
@@ -36,7 +42,9 @@ class Row:
 def make_inputs(profile: str, batch=1, heads=2, kv_heads=None, n=1024, d=64, seed=0, dtype=torch.bfloat16,
                 device="cpu"):
     """q, k, v, dO for an input profile: gaussian; outliers (a few channels larger: 4x in q/k,
-    20x in v, as in LLM activations); sinks (every query attends strongly to the first key, as trained LLMs do)."""
+    20x in v, as in LLM activations); sinks (every query attends strongly to the first key, as trained LLMs do);
+    outlier channels of q and k, the same d/32 channels in both (4 at d=128): qk-outliers (x20 in k, x4 in q),
+    k-outliers (x8 in k), k-bias (+8 on k: a shared offset of every key, what K smoothing removes)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown input profile {profile!r}; choose one of {list(PROFILES)}")
     kv_heads = kv_heads or heads
@@ -50,6 +58,11 @@ def make_inputs(profile: str, batch=1, heads=2, kv_heads=None, n=1024, d=64, see
         q[..., channels] *= 4.0  # larger q/k outliers make softmax one-hot, where any rounding flips argmax
         k[..., channels] *= 4.0
         v[..., channels] *= 20.0
+    elif profile in _QK_CHANNEL_PROFILES:
+        k_factor, q_factor, k_bias = _QK_CHANNEL_PROFILES[profile]
+        channels = torch.randperm(d, generator=g)[: max(1, d // 32)]
+        k[..., channels] = k[..., channels] * k_factor + k_bias
+        q[..., channels] *= q_factor
     elif profile == "sinks":
         direction = q.mean(dim=(1, 2), keepdim=True)[:, :, 0]  # (B, 1, d): shared by all queries
         k[:, :, 0] = 3.0 * math.sqrt(d) * direction / direction.norm(dim=-1, keepdim=True)
@@ -106,21 +119,26 @@ def run(profile="gaussian", *, batch=1, heads=2, kv_heads=None, n=1024, d=64, se
     exact.backward(do.double())
     ref_grads = [t.grad for t in leaves]
     rows = []
-    for precision, delta in MODES:
-        config = DeltaMatchConfig(precision=precision, delta=delta, block=block, backend=backend)
+    modes = [(p, dl, "none", False) for p, dl in MODES] + [("fp8", "matching", *t) for t in QK_TRANSFORMS]
+    for precision, delta, rotation, smooth_k in modes:
+        config = DeltaMatchConfig(precision=precision, delta=delta, block=block, backend=backend,
+                                  qk_rotation=rotation, smooth_k=smooth_k)
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
         out = deltamatch_attention(qq, kk, vv, causal=causal, config=config)
         out.backward(do)
-        # The invariant is measured on dS before quantization, which the reference exposes.
+        # The invariant is measured on dS before quantization, which the reference exposes (on the op's inputs).
         ref_cfg = config.replace(backend="reference")
-        fwd = reference.forward(q, k, v, causal=causal, softmax_scale=1 / math.sqrt(d), window=None,
+        qt, kt, _ = outliers.transform_qk(q, k, rotation, smooth_k)
+        fwd = reference.forward(qt, kt, v, causal=causal, softmax_scale=1 / math.sqrt(d), window=None,
                                 cu_seqlens_q=None, cu_seqlens_k=None, config=ref_cfg)
         *_, row_sums, row_abs = reference.backward(
-            do, q, k, v, fwd[0], fwd[1], *fwd[2:], causal=causal, softmax_scale=1 / math.sqrt(d), window=None,
+            do, qt, kt, v, fwd[0], fwd[1], *fwd[2:], causal=causal, softmax_scale=1 / math.sqrt(d), window=None,
             cu_seqlens_q=None, cu_seqlens_k=None, config=ref_cfg, return_row_sums=True)
         drift = (kk.grad.double().sum(dim=2).norm() / kk.grad.double().norm().clamp_min(1e-300)).item()
+        mode = f"{precision}-{delta}" if precision == "fp8" else precision
+        mode += "+hadamard" * (rotation == "hadamard") + "+smooth_k" * smooth_k
         rows.append(Row(
-            mode=f"{precision}-{delta}" if precision == "fp8" else precision,
+            mode=mode,
             row_sum_residual=(row_sums.norm() / row_abs.norm().clamp_min(1e-30)).item(),
             err_out=_rel(out.detach(), exact.detach()),
             err_dq=_rel(qq.grad, ref_grads[0]), err_dk=_rel(kk.grad, ref_grads[1]), err_dv=_rel(vv.grad, ref_grads[2]),
@@ -133,10 +151,10 @@ def run(profile="gaussian", *, batch=1, heads=2, kv_heads=None, n=1024, d=64, se
 
 def format_table(profile: str, rows: list[Row]) -> str:
     head = (f"profile={profile}\n"
-            f"{'mode':<14} {'dS row-sum resid':>16} {'out err':>9} {'dQ err':>9} {'dK err':>9} {'dV err':>9} "
+            f"{'mode':<32} {'dS row-sum resid':>16} {'out err':>9} {'dQ err':>9} {'dK err':>9} {'dV err':>9} "
             f"{'sum_j dK_j':>11}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r.mode:<14} {r.row_sum_residual:>16.2e} {r.err_out:>9.2e} {r.err_dq:>9.2e} {r.err_dk:>9.2e} "
+        lines.append(f"{r.mode:<32} {r.row_sum_residual:>16.2e} {r.err_out:>9.2e} {r.err_dq:>9.2e} {r.err_dk:>9.2e} "
                      f"{r.err_dv:>9.2e} {r.dk_drift:>11.2e}")
     return "\n".join(lines)

@@ -13,7 +13,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Configuration from the environment would silently change what the tests check.
-_CONFIG_ENV = ("HF_DELTAMATCH_PRECISION", "HF_DELTAMATCH_DELTA", "HF_DELTAMATCH_BACKEND")
+_CONFIG_ENV = ("HF_DELTAMATCH_PRECISION", "HF_DELTAMATCH_DELTA", "HF_DELTAMATCH_BACKEND", "HF_DELTAMATCH_QK_ROTATION",
+               "HF_DELTAMATCH_SMOOTH_K")
 for _var in _CONFIG_ENV:
     os.environ.pop(_var, None)
 

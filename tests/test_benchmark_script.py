@@ -185,6 +185,24 @@ def test_dry_run_with_sinks(tmp_path):
     assert "dm fp8 + sinks" in proc.stdout
 
 
+def test_dry_run_qk_transforms_report_their_cost(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--qk-transforms",
+                           "--ops", "dm-bf16", "--shapes", "B1-H2-KV1-N96-D32-causal"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("attention-*-cpu.json")
+    report = json.loads(json_path.read_text())
+    ops = report["shapes"][0]["ops"]
+    assert list(ops) == ["dm-bf16", "dm-fp8-matching", "dm-fp8-hadamard", "dm-fp8-smooth-k",
+                         "dm-fp8-hadamard-smooth-k", "sdpa-math"]
+    for name in ("dm-fp8-hadamard", "dm-fp8-smooth-k", "dm-fp8-hadamard-smooth-k"):
+        assert ops[name]["status"] == "ok" and ops[name]["check"] == "ok", (name, ops[name].get("error"))
+        assert ops[name]["cost_vs_fp8_matching"]["fwdbwd"] > -1
+    assert ops["dm-fp8-hadamard-smooth-k"]["config"]["qk_rotation"] == "hadamard"
+    assert ops["dm-fp8-hadamard-smooth-k"]["config"]["smooth_k"] is True
+    assert "% vs dm fp8-matching)" in proc.stdout
+
+
 def test_gpu_check_skips_the_benchmark_when_the_tests_leave_too_little_time(tmp_path):
     """gpu_check.sh's control flow (the GPU tests and timing need the H200): with `true` as the interpreter the
     tests "pass" at once, and a 60 s total leaves under the 120 s the benchmark needs, so it is skipped with a
