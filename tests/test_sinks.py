@@ -331,3 +331,14 @@ def test_unpad_rows_inverts_pad():
     back = K._unpad_rows(S.pad(x, seg, float("-inf")), seg, torch.full_like(x, 7.0))
     assert torch.equal(back[:, :, 3:303], x[:, :, 3:303])
     assert (back[:, :, :3] == 7).all() and (back[:, :, 303:] == 7).all()
+
+
+def test_smooth_k_with_sinks_is_refused():
+    """K smoothing lowers each query's scores by softmax_scale * q . mean(k); a sink's logit would have to move
+    with them, so the combination raises instead of computing another softmax."""
+    q, k, v, do, sinks = make(1, 2, 2, 64, 64, 32, seed=1)
+    with pytest.raises(ValueError, match="smooth_k=True is not supported with attention sinks"):
+        deltamatch_attention(q, k, v, sinks=sinks, config=DeltaMatchConfig(smooth_k=True, backend="reference"))
+    out = deltamatch_attention(q, k, v, sinks=sinks, config=DeltaMatchConfig(qk_rotation="hadamard",
+                                                                            backend="reference"))
+    assert torch.isfinite(out).all()
