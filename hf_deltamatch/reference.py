@@ -162,7 +162,7 @@ def _forward_group(ops: _Operands, n, m, causal, window, softmax_scale, block):
         m_run = torch.cummax(torch.where(s.isnan(), -math.inf, s).amax(dim=-1), dim=-1).values
         alive = m_run > -math.inf  # +inf (bf16, an inf input): exp(inf - inf) = NaN below, as exact attention
         m_safe = torch.where(alive, m_run, torch.zeros_like(m_run))
-        p = torch.where(alive[..., None], torch.exp(s - m_safe[..., None]), torch.zeros_like(s))
+        p = torch.exp(s - m_safe[..., None])  # 0 where masked; NaN where S is, also before the first finite score
         v_tiles = _pad_tokens(ops.v[:, :, lo:hi], block)
         sv = _first_of_tile(ops.sv[:, :, lo:hi], block)
         pv = torch.einsum("bhqkt,bhktd->bhqkd", ops.round_p(p), v_tiles) * sv[:, :, None, :, None]

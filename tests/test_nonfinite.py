@@ -1,7 +1,8 @@
 """Non-finite inputs (docs/numerics.md, "Non-finite inputs"): a NaN or ±inf in q, k, v or dO makes exactly the
 outputs and gradients the rule names non-finite, and leaves every other one finite and bit-identical to a clean
-run. Reference and Triton kernels (the interpreter on the CPU, small N), fp8 and bf16, dense causal and full, a
-packed batch, GQA; the GPU tests at the Gluon kernels' shapes (fp8 e4m3, D=128, N 256/512) and the Triton kernels'.
+run. Reference and Triton kernels (the interpreter on the CPU, small N), fp8 and bf16, matching and stale delta,
+dense causal and full, a sliding window, a packed batch, GQA; the GPU tests at the Gluon kernels' shapes (fp8
+e4m3, D=128, N 256/512, causal, full, a causal packed batch) and the Triton kernels' (with a key tail and a window).
 
 Each case is two runs of deltamatch_attention's forward and backward: a clean one and one with the same inputs
 but a few elements poisoned. For every output the rule gives two masks: `must` (non-finite) and `may` (the
@@ -12,6 +13,7 @@ Bit-identity outside `may` needs the poisoned element not to set a tile's scale,
 the poisoned one holds the non-finite value (a tile's scale comes from its finite values), and for a poisoned q
 or dO row the clean run's whole q/dO row is 0: the dS row is then 0 in the clean run and NaN in the other, so
 the dS tile's scale (absmax over its finite entries) is the same in both and the tile's other rows' dQ too.
+(With natural values there, those rows' dQ may differ by one FP8 rounding: docs/numerics.md.)
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ NAN, INF = float("nan"), float("inf")
 class Case:
     """Inputs of one layout: dense (B rows of N tokens) or packed (B = 1, cu_seqlens), and its masks."""
 
-    def __init__(self, B, Hq, Hkv, N, D, causal, cu=None, block=128, seed=0, device=DEV):
+    def __init__(self, B, Hq, Hkv, N, D, causal, cu=None, window=None, block=128, seed=0, device=DEV):
         self.B, self.Hq, self.Hkv, self.N, self.D = B, Hq, Hkv, N, D
-        self.causal, self.cu, self.block = causal, cu, block
+        self.causal, self.cu, self.window, self.block = causal, cu, window, block
         self.device = device
         g = torch.Generator().manual_seed(seed)
         mk = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
@@ -67,6 +69,8 @@ class Case:
             n = b - a
             i = torch.arange(n)
             v = i[None, :] <= i[:, None] if causal else torch.ones(n, n, dtype=torch.bool)
+            if window is not None:
+                v &= i[None, :] > i[:, None] - window
             vis[a:b, a:b] = v
             # tile pairs (Q_BLOCK queries x `block` keys, counted from the sequence start) with a visible pair
             bi, bj = i // Q_BLOCK, i // block
@@ -79,8 +83,8 @@ class Case:
         cfg = DeltaMatchConfig(precision=precision, backend=backend, delta=delta)
         q, k, v = (t.to(self.device).requires_grad_() for t in (q, k, v))
         cu = None if self.cu is None else torch.tensor(self.cu, dtype=torch.int32, device=self.device)
-        out, lse = deltamatch_attention(q, k, v, causal=self.causal, cu_seqlens_q=cu, cu_seqlens_k=cu, config=cfg,
-                                        return_lse=True)
+        out, lse = deltamatch_attention(q, k, v, causal=self.causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        window=self.window, config=cfg, return_lse=True)
         out.backward(do.to(self.device))
         return {name: t.detach().cpu() for name, t in
                 (("out", out), ("lse", lse), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
@@ -201,6 +205,7 @@ _LAYOUTS = {
     "causal": dict(B=2, Hq=4, Hkv=2, N=256, D=64, causal=True),
     "full": dict(B=2, Hq=4, Hkv=2, N=256, D=64, causal=False),
     "packed": dict(B=1, Hq=4, Hkv=2, N=256, D=64, causal=True, cu=(0, 112, 256)),
+    "window": dict(B=2, Hq=4, Hkv=2, N=256, D=64, causal=True, window=100),  # rows 227.. do not see key 127
 }
 # (b, head, token, dim, value): a tile's first (0, 128) and last (127) token, inside a tile (70, 200), the packed
 # boundary (111 | 112); q/dO heads are query heads, k/v heads KV heads (both query heads of the group read them).
@@ -212,7 +217,8 @@ _KV_FULL = [(0, 0, 127, 3, NAN), (1, 0, 70, 5, INF), (1, 0, 128, 0, -INF)]
 _PACKED_QDO = [(0, 0, 111, 3, NAN), (0, 1, 112, 5, INF), (0, 3, 230, 7, -INF)]
 _PACKED_KV = [(0, 0, 111, 3, INF), (0, 1, 112, 5, NAN), (0, 1, 240, 1, -INF)]
 _SPOTS = {lay: {"q": qdo, "do": qdo, "k": kv, "v": kv} for lay, qdo, kv in (
-    ("causal", _QDO, _KV), ("full", _QDO_FULL, _KV_FULL), ("packed", _PACKED_QDO, _PACKED_KV))}
+    ("causal", _QDO, _KV), ("full", _QDO_FULL, _KV_FULL), ("packed", _PACKED_QDO, _PACKED_KV),
+    ("window", _QDO, _KV))}
 
 
 @functools.lru_cache(maxsize=None)
@@ -222,17 +228,23 @@ def _case(layout):
 
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
-@pytest.mark.parametrize("layout", ["causal", "full", "packed"])
+@pytest.mark.parametrize("layout", ["causal", "full", "packed", "window"])
 def test_reference(layout, precision, tensor):
     _check_case(layout, "reference", precision, tensor)
 
 
-@pytest.mark.skipif(DEV == "cuda", reason="the GPU runs the kernels in test_kernels_gpu below")
+@pytest.mark.skipif(DEV == "cuda", reason="on a GPU, test_gpu_* below run the kernels")
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
 @pytest.mark.parametrize("layout", ["causal", "full", "packed"])
 def test_triton_interpreter(layout, precision, tensor):
     _check_case(layout, "triton", precision, tensor)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="on a GPU, test_gpu_* below run the kernels")
+@pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
+def test_triton_interpreter_window(tensor):
+    _check_case("window", "triton", "fp8", tensor)
 
 
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
@@ -284,6 +296,7 @@ _GPU_LAYOUTS = {
     "packed512": dict(B=1, Hq=4, Hkv=2, N=512, D=128, causal=True, cu=(0, 208, 336, 512)),
     # Triton only (N not a multiple of 128): the last key tile reads past each head's end (TMA: into the next head)
     "tail200": dict(B=2, Hq=4, Hkv=2, N=200, D=128, causal=True),
+    "window256": dict(B=2, Hq=4, Hkv=2, N=256, D=128, causal=True, window=100),  # Triton only
 }
 # As on the CPU: a causal or full sequence spreads a NaN in k or v over (nearly) all of it, so each layout's spots
 # leave a KV head (and its query heads) clean somewhere. tail200's k[0, 1, 10] lies in the rows that the tail tile
@@ -300,6 +313,7 @@ _GPU_SPOTS = {
     "packed512": ([(0, 0, 207, 3, NAN), (0, 1, 208, 5, INF), (0, 0, 335, 0, -INF), (0, 1, 336, 127, NAN)],
                   [(0, 0, 207, 3, INF), (0, 0, 208, 5, NAN), (0, 0, 336, 0, -INF), (0, 0, 511, 9, NAN)]),
     "tail200": (_GPU_QDO_B2, [(0, 0, 127, 3, NAN), (0, 1, 10, 5, INF), (0, 1, 70, 0, -INF)]),
+    "window256": (_GPU_QDO_B2, [(0, 0, 127, 3, NAN), (1, 0, 70, 5, INF), (1, 1, 128, 0, -INF)]),
 }
 
 
@@ -341,7 +355,7 @@ def test_gpu_gluon(layout, tensor):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
-@pytest.mark.parametrize("layout", ["causal256", "full256", "packed512", "tail200"])
+@pytest.mark.parametrize("layout", ["causal256", "full256", "packed512", "tail200", "window256"])
 def test_gpu_triton(layout, precision, tensor):
     _gpu_check(layout, "triton", precision, tensor)
 
