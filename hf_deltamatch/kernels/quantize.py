@@ -69,9 +69,9 @@ def _quantize_kernel(
     mask = (src[:, None] < end) & (cols[None, :] < D)
     x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
                 mask=mask, other=0.0).to(tl.float32)
-    # docs/numerics.md "Non-finite inputs": the scale comes from the finite values (one inf would zero its tile-mates,
-    # and the GPU's max ignores NaN while others propagate it), and a non-finite value is stored as NaN (FP8 e4m3
-    # has no inf; the GPU's satfinite cast would make inf 448)
+    # docs/numerics.md "Non-finite inputs": the scale comes from the finite values (one inf would zero its tile-mates;
+    # a max may skip or propagate NaN), and a non-finite value is stored as NaN (FP8 e4m3 has no inf; the GPU's
+    # satfinite cast would make inf 448)
     finite = tl.abs(x) < float("inf")
     amax = tl.max(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), axis=0)
     scale = tile_scale(amax, FMAX, POW2)
