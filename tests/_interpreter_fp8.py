@@ -25,10 +25,14 @@ def _special_bits(dtype):
 @contextlib.contextmanager
 def fp8_specials_decoded():
     """Within the context, the interpreter decodes FP8 NaN (e4m3, e5m2) and inf (e5m2) to NaN and inf."""
+    import triton
     import triton.language as tl
     from triton.runtime import interpreter
 
-    original = interpreter._convert_float
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None:
+        raise RuntimeError(f"Triton {triton.__version__}'s interpreter has no _convert_float (its FP8 decoder): "
+                           "adapt tests/_interpreter_fp8.py to this version.")
 
     def convert(input, input_dtype, output_dtype, rounding_mode):
         out = original(input, input_dtype, output_dtype, rounding_mode)
