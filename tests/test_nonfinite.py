@@ -233,6 +233,7 @@ def test_reference(layout, precision, tensor):
     _check_case(layout, "reference", precision, tensor)
 
 
+@pytest.mark.slow  # two interpreted forward + backward runs: ~40 s on 2 CPU cores
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU, test_gpu_* below run the kernels")
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
@@ -241,6 +242,7 @@ def test_triton_interpreter(layout, precision, tensor):
     _check_case(layout, "triton", precision, tensor)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU, test_gpu_* below run the kernels")
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
 def test_triton_interpreter_window(tensor):
@@ -248,7 +250,7 @@ def test_triton_interpreter_window(tensor):
 
 
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
 def test_stale_delta(backend, tensor):
     """delta="stale" (dot(dO_i, O_i)): NaN where out or dO is, the same rule."""
     if backend == "triton" and DEV == "cuda":
