@@ -44,17 +44,15 @@ def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexp
           TMA: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
     """A (rows, cols) tile. Pointer path: masked load at X + offs_r * s_r + offs_c * s_c. TMA: X is a descriptor,
     read at [row, col] (token-major: a (cols, rows) box, transposed). Rows past R_LIM then hold the next head's
-    or sequence's tokens, or zeros (outside every sequence, docs/numerics.md; TMA's fill past the tensor); the
-    score masks give them P = 0, but a NaN there would still reach the MMAs as 0 x NaN (docs/numerics.md,
-    "Non-finite inputs"), so MASK tiles (the loops' masked ranges only) zero them, as the pointer path's loads."""
+    or sequence's tokens, or zeros (outside every sequence, docs/numerics.md; TMA's fill past the tensor): the
+    score masks give them P = 0, and kernels._whole_tiles keeps TMA off where a NaN there could reach an MMA
+    (0 x NaN). (Zeroing them here instead cost the backward's dQ kernel ~1800 more byte permutes/selects in its
+    masked loop, sm_90 SASS; the forward 70 more registers.)"""
     if TMA:
         if TOKEN_MAJOR:
-            x = tl.trans(X.load([row, col]))
+            return tl.trans(X.load([row, col]))
         else:
-            x = X.load([row, col])
-        if MASK:
-            x = tl.where(offs_r[:, None] < R_LIM, x, tl.zeros_like(x))
-        return x
+            return X.load([row, col])
     else:
         return _load_2d(X + offs_r[:, None] * s_r + offs_c[None, :] * s_c, offs_r, offs_c, R_LIM, C_LIM,
                         MASK, MASK_C)
