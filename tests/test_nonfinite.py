@@ -258,6 +258,22 @@ def test_stale_delta(backend, tensor):
     _check_case("causal", backend, "fp8", tensor, delta="stale")
 
 
+def test_tma_only_where_no_tile_crosses_a_sequence_end():
+    """A TMA tile past a sequence's end reads the next sequence's (or head's) tokens, where a NaN would reach the
+    MMAs as 0 x NaN: the kernels read through TMA only where every sequence is whole tiles (kernels._whole_tiles)."""
+    from hf_deltamatch import kernels as K
+
+    z = torch.zeros(1, 1, 256, 64)
+    cu = lambda *c: torch.tensor(c, dtype=torch.int32)  # noqa: E731
+    cut = K._seq_facts(z, z, cu(0, 112, 256), cu(0, 112, 256))[7]
+    assert not K._whole_tiles(cut, keys=128) and not K._whole_tiles(cut, queries=64)
+    whole = K._seq_facts(z, z, cu(0, 128, 256), cu(0, 64, 256))[7]
+    assert K._whole_tiles(whole, queries=128) and K._whole_tiles(whole, keys=64)
+    assert not K._whole_tiles(whole, keys=128)
+    assert not K._whole_tiles(K._seq_facts(z[:, :, :200], z, None, None)[7], queries=64)
+    assert K._whole_tiles(K._seq_facts(z[:, :, :192], z, None, None)[7], queries=64, keys=128)
+
+
 def test_quantization_keeps_non_finite_and_tile_mates():
     """q8 of a tile with a NaN, +inf and -inf: those three NaN in FP8 (e4m3 has no inf), the tile's scale and its
     other tokens the same as with zeros there (reference and kernels' quantization pass, bit for bit)."""
