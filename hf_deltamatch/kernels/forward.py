@@ -282,13 +282,14 @@ def _fwd_kernel(
     l_safe = tl.where(has, l_i, 1.0)
     out = acc * (c_acc / l_safe)[:, None]
     lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    # l = 0 in a row that sees a key: every visible score -inf (an inf input, bf16): NaN, as exact attention
-    sees = m > 0
-    if CAUSAL:
-        sees = sees & (offs_m + (m - n) >= 0)
-    bad = sees & (l_i == 0.0)
-    out = tl.where(bad[:, None], float("nan"), out)
-    lse = tl.where(bad, float("nan"), lse)
+    if not FP8:  # l = 0 in a row that sees a key: every visible score -inf (an inf input): NaN, as exact attention
+        # (fp8 scores are finite or NaN: the quantized operands hold no inf)
+        sees = m > 0
+        if CAUSAL:
+            sees = sees & (offs_m + (m - n) >= 0)
+        bad = sees & (l_i == 0.0)
+        out = tl.where(bad[:, None], float("nan"), out)
+        lse = tl.where(bad, float("nan"), lse)
     Ob = O + b64 * sob + h.to(tl.int64) * soh + q0.to(tl.int64) * son
     tl.store(Ob + offs_m[:, None] * son + offs_dv[None, :] * sod, cast_to(out, O.dtype.element_ty, INTERP),
              mask=(offs_m[:, None] < n) & (offs_dv[None, :] < DV))
