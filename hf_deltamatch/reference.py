@@ -54,15 +54,20 @@ def quantize_tokens(x: torch.Tensor, block: int, fmt: str = "e4m3", rounding: st
     if n_tiles * block != n:
         xf = torch.nn.functional.pad(xf, (0, 0, 0, n_tiles * block - n))
     xf = xf.reshape(*lead, n_tiles, block, d)
-    scale = tile_scale(xf.abs().amax(dim=(-1, -2)), fmt, rounding)
-    x8 = to_fp8(xf / scale[..., None, None], fmt)
+    # non-finite values: left out of the scale, stored as NaN (docs/numerics.md "Non-finite inputs")
+    finite = torch.isfinite(xf)
+    scale = tile_scale(torch.where(finite, xf.abs(), 0.0).amax(dim=(-1, -2)), fmt, rounding)
+    x8 = to_fp8(torch.where(finite, xf / scale[..., None, None], math.nan), fmt)
     x8 = x8.reshape(*lead, n_tiles * block, d)[..., :n, :]
     return x8, scale.repeat_interleave(block, dim=-1)[..., :n]
 
 
 def _quantize_ds(ds: torch.Tensor, fmt: str, rounding: str):
-    """dS of shape (B, H, rows, nK, T): one scale per (row tile, key tile). Returns (dS8 as fp32, scale)."""
-    scale = tile_scale(ds.abs().amax(dim=(2, 4)), fmt, rounding)  # (B, H, nK)
+    """dS of shape (B, H, rows, nK, T): one scale per (row tile, key tile). Returns (dS8 as fp32, scale).
+
+    The tile's absmax skips NaN entries, as the kernels' max does (PTX max.f32).
+    """
+    scale = tile_scale(torch.where(ds.isnan(), 0.0, ds.abs()).amax(dim=(2, 4)), fmt, rounding)  # (B, H, nK)
     ds8 = to_fp8(ds / scale[:, :, None, :, None], fmt)
     return ds8.float(), scale
 
@@ -158,10 +163,11 @@ def _forward_group(ops: _Operands, n, m, causal, window, softmax_scale, block):
         if hi <= lo:
             continue
         s = _split_tiles(_scores(ops, r0, r1, lo, hi, n, m, causal, window, softmax_scale), block, -math.inf)
-        m_run = torch.cummax(s.amax(dim=-1), dim=-1).values  # running max after each key tile
-        alive = torch.isfinite(m_run)
+        # running max after each key tile; NaN scores skipped (the kernels' max) but kept in P, so they reach out
+        m_run = torch.cummax(torch.where(s.isnan(), -math.inf, s).amax(dim=-1), dim=-1).values
+        alive = m_run > -math.inf  # +inf (bf16, an inf input): exp(inf - inf) = NaN below, as exact attention
         m_safe = torch.where(alive, m_run, torch.zeros_like(m_run))
-        p = torch.where(alive[..., None], torch.exp(s - m_safe[..., None]), torch.zeros_like(s))
+        p = torch.exp(s - m_safe[..., None])  # 0 where masked; NaN where S is, also before the first finite score
         v_tiles = _pad_tokens(ops.v[:, :, lo:hi], block)
         sv = _first_of_tile(ops.sv[:, :, lo:hi], block)
         pv = torch.einsum("bhqkt,bhktd->bhqkd", ops.round_p(p), v_tiles) * sv[:, :, None, :, None]
@@ -169,9 +175,12 @@ def _forward_group(ops: _Operands, n, m, causal, window, softmax_scale, block):
         w = torch.where(alive, torch.exp(m_safe - m_last), torch.zeros_like(m_safe))  # rescale to the final max
         acc = (pv * w[..., None]).sum(dim=-2)
         l = (p.sum(dim=-1) * w).sum(dim=-1)
-        has_keys = l > 0
-        out[:, :, r0:r1] = torch.where(has_keys[..., None], acc / l.clamp_min(1e-30)[..., None], 0.0)
-        lse[:, :, r0:r1] = torch.where(has_keys, m_last[..., 0] + torch.log(l.clamp_min(1e-30)), -math.inf)
+        # a row that sees a key but got l = 0 (every visible score -inf: an inf input in bf16 mode) is NaN, as
+        # exact attention's softmax; a NaN l (a NaN input) makes out and lse NaN by itself
+        sees = torch.arange(r0, r1, device=s.device) + (m - n) >= 0 if causal else torch.ones_like(l, dtype=bool)
+        out[:, :, r0:r1] = torch.where(sees[..., None], acc / l[..., None], 0.0)
+        lse_rows = torch.where(l == 0, math.nan, m_last[..., 0] + torch.log(l))
+        lse[:, :, r0:r1] = torch.where(sees, lse_rows, -math.inf)
     return out, lse
 
 
@@ -195,7 +204,7 @@ def _backward_group(ops: _Operands, do8, sdo, delta_stale, lse, n, m, causal, wi
         t0, t1 = lo // block, math.ceil(hi / block)
         s = _scores(ops, r0, r1, lo, hi, n, m, causal, window, softmax_scale)
         lse_rows = lse[:, :, r0:r1, None]
-        alive = torch.isfinite(lse_rows)
+        alive = lse_rows != -math.inf  # -inf: no visible key (P = 0); NaN (a non-finite input): P NaN
         p = torch.where(alive, torch.exp(s - torch.where(alive, lse_rows, 0.0)), 0.0)
         dp = (do[:, :, r0:r1] @ ops.v[:, :, lo:hi].transpose(-1, -2)) * sdo[:, :, r0:r1, None]
         dp = dp * ops.sv[:, :, None, lo:hi]

@@ -33,18 +33,21 @@ def _round_to_fp8_grid(x, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 @triton.jit
 def to_fp8(x, E5M2: tl.constexpr, INTERP: tl.constexpr):
-    """Saturating RNE cast of fp32 to e4m3 (E5M2=False) or e5m2.
+    """Saturating RNE cast of fp32 to e4m3 (E5M2=False) or e5m2; NaN stays NaN (±inf saturates).
 
     On the GPU Triton emits `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (checked in the PTX for sm_90), which
-    already saturates: clamping there would cost two instructions per element in every inner loop.
+    already saturates and keeps NaN: clamping there would cost two instructions per element in every inner loop.
+    The interpreter's clamp (np.fmax) and cast would turn NaN into a number, so there NaN is kept explicitly.
     """
     if E5M2:
         if INTERP:
-            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -57344.0), 57344.0), 2, -14)
+            y = _round_to_fp8_grid(_clamp_keep_nan(x, 57344.0), 2, -14).to(tl.float8e5)
+            return tl.where(x != x, tl.full(x.shape, 0x7F, tl.uint8).to(tl.float8e5, bitcast=True), y)
         return x.to(tl.float8e5)
     else:
         if INTERP:
-            x = _round_to_fp8_grid(tl.minimum(tl.maximum(x, -448.0), 448.0), 3, -6)
+            y = _round_to_fp8_grid(_clamp_keep_nan(x, 448.0), 3, -6).to(tl.float8e4nv)
+            return tl.where(x != x, tl.full(x.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True), y)
         return x.to(tl.float8e4nv)
 
 
@@ -54,6 +57,12 @@ SCALE_FLOOR = tl.constexpr(1.1754943508222875e-38)
 # How far below the largest tile so far an accumulator's units may go (acc_units): 2^-64. An accumulator then
 # holds at most 2^64 times 2^25 (128 products of two 448s) times the tiles it adds, far inside fp32's 2^128.
 UNITS_SPAN = tl.constexpr(5.421010862427522e-20)
+
+
+@triton.jit
+def _clamp_keep_nan(x, FMAX: tl.constexpr):
+    nan = tl.PropagateNan.ALL
+    return tl.minimum(tl.maximum(x, -FMAX, propagate_nan=nan), FMAX, propagate_nan=nan)
 
 
 @triton.jit

@@ -44,9 +44,10 @@ def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexp
           TMA: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
     """A (rows, cols) tile. Pointer path: masked load at X + offs_r * s_r + offs_c * s_c. TMA: X is a descriptor,
     read at [row, col] (token-major: a (cols, rows) box, transposed). Rows past R_LIM then hold the next head's
-    or sequence's tokens, or zeros (outside every sequence, docs/numerics.md; TMA's fill past the tensor):
-    finite, and the score masks give them P = 0. (Zeroing them here instead cost the backward's dQ kernel ~1800
-    more byte permutes/selects in its masked loop, sm_90 SASS.)"""
+    or sequence's tokens, or zeros (outside every sequence, docs/numerics.md; TMA's fill past the tensor): the
+    score masks give them P = 0, and kernels._whole_tiles keeps TMA off where a NaN there could reach an MMA
+    (0 x NaN). (Zeroing them here instead cost the backward's dQ kernel ~1800 more byte permutes/selects in its
+    masked loop, sm_90 SASS; the forward 70 more registers.)"""
     if TMA:
         if TOKEN_MAJOR:
             return tl.trans(X.load([row, col]))
@@ -277,10 +278,18 @@ def _fwd_kernel(
 
     if FP8:
         l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
-    has = l_i > 0.0
+    has = l_i != 0.0  # NaN (a non-finite input) included: out and lse NaN
     l_safe = tl.where(has, l_i, 1.0)
     out = acc * (c_acc / l_safe)[:, None]
     lse = tl.where(has, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    if not FP8:  # l = 0 in a row that sees a key: every visible score -inf (an inf input): NaN, as exact attention
+        # (fp8 scores are finite or NaN: the quantized operands hold no inf)
+        sees = m > 0
+        if CAUSAL:
+            sees = sees & (offs_m + (m - n) >= 0)
+        bad = sees & (l_i == 0.0)
+        out = tl.where(bad[:, None], float("nan"), out)
+        lse = tl.where(bad, float("nan"), lse)
     Ob = O + b64 * sob + h.to(tl.int64) * soh + q0.to(tl.int64) * son
     tl.store(Ob + offs_m[:, None] * son + offs_dv[None, :] * sod, cast_to(out, O.dtype.element_ty, INTERP),
              mask=(offs_m[:, None] < n) & (offs_dv[None, :] < DV))

@@ -112,7 +112,7 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
     if WGS != 2:
         _release(ready, empty, n_own, n_k, STAGES)
     l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
-    has = l_i > 0.0
+    has = l_i != 0.0  # NaN (a non-finite input) included: out and lse NaN
     l_safe = gl.where(has, l_i, 1.0)
     out = acc * gl.convert_layout(c_acc / l_safe, orow_layout)[:, None]
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))

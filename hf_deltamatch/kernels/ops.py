@@ -99,9 +99,26 @@ def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
     query and key sequences are the same (self-attention), (first token, end token, rows of the padded layout)
     for segments.padded_layout, else None. One host sync for a varlen batch the first time its cu_seqlens tensors
     come (_SEQ_INFO), none for a dense one."""
+    return _seq_facts(q, k, cu_seqlens_q, cu_seqlens_k)[:7]
+
+
+def _seq_facts(q, k, cu_seqlens_q, cu_seqlens_k):
+    """_seq_info's tuple and, last, (rq64, rk64, rq128, rk128): the largest query / key sequence length modulo 64
+    and 128 (_whole_tiles)."""
     if cu_seqlens_q is None:
-        return 1, q.shape[2], k.shape[2], None, None, True, None
+        n, m = q.shape[2], k.shape[2]
+        return 1, n, m, None, None, True, None, (n % 64, m % 64, n % 128, m % 128)
     return _SEQ_INFO.get((cu_seqlens_q, cu_seqlens_k), lambda: _varlen_info(cu_seqlens_q, cu_seqlens_k))
+
+
+def _whole_tiles(rems, queries: int = 0, keys: int = 0) -> bool:
+    """Whether every query sequence is whole `queries`-token tiles and every key sequence whole `keys`-token ones
+    (0: either). A TMA tile past a sequence's end reads the next sequence's or head's tokens: masked scores give
+    them P = 0, but a NaN there would reach the MMAs as 0 x NaN (docs/numerics.md, "Non-finite inputs"), so the
+    kernels whose products take such rows unmasked (the forward's V on a varlen batch, the dQ kernel's V and K^T,
+    the dK/dV kernel's q and dO tiles) read them through TMA only where no tile crosses a sequence's end."""
+    rq, rk = {64: rems[0], 128: rems[2]}, {64: rems[1], 128: rems[3]}
+    return (not queries or rq[queries] == 0) and (not keys or rk[keys] == 0)
 
 
 def _varlen_info(cu_seqlens_q, cu_seqlens_k):
@@ -109,18 +126,20 @@ def _varlen_info(cu_seqlens_q, cu_seqlens_k):
     cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
     nseq = cu_seqlens_q.numel() - 1
     if nseq < 1:
-        return 0, 0, 0, cu_seqlens_q, cu_seqlens_k, True, None
+        return 0, 0, 0, cu_seqlens_q, cu_seqlens_k, True, None, (0, 0, 0, 0)
     lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    lengths_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     if cu_seqlens_k.shape == cu_seqlens_q.shape:
         differ = (cu_seqlens_q != cu_seqlens_k).any()
     else:
         differ = torch.ones((), dtype=torch.bool, device=cu_seqlens_q.device)
-    lq, lk, rq, rk, first, last, npad, differ = torch.stack([x.long() for x in (
-        lengths.max(), (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max(),
+    lq, lk, rq, rk, first, last, npad, differ, *rems = torch.stack([x.long() for x in (
+        lengths.max(), lengths_k.max(),
         (cu_seqlens_q[:-1] % 16).max(), (cu_seqlens_k[:-1] % 16).max(),
-        cu_seqlens_q[0], cu_seqlens_q[-1], padded_rows(lengths).sum(), differ)]).tolist()
+        cu_seqlens_q[0], cu_seqlens_q[-1], padded_rows(lengths).sum(), differ,
+        (lengths % 64).max(), (lengths_k % 64).max(), (lengths % 128).max(), (lengths_k % 128).max())]).tolist()
     packing = None if differ else (int(first), int(last), int(npad))
-    return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0, packing
+    return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0, packing, tuple(rems)
 
 
 def _quantize_segments(cu_seqlens, packing, block):
@@ -160,7 +179,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     _check_tune()
     if q.is_cuda and not INTERPRET:
         _warn_untested_triton()
-    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing = _seq_info(q, k, cu_seqlens_q, cu_seqlens_k)
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing, rems = _seq_facts(q, k, cu_seqlens_q,
+                                                                                        cu_seqlens_k)
     seg = _quantize_segments(cu_seqlens_q, packing, T)
     qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q, segments=seg)
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k, segments=seg)
@@ -209,7 +229,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
                    head_group=head_group, segments=seg, **cfg)
         return out, lse, q8, k8, v8, sq, sk, sv
-    tma = _use_tma("fwd", fp8, dqk, dv, aligned)
+    # dense: V's token-major tiles end at the head's end (TMA fills zeros past it)
+    tma = _use_tma("fwd", fp8, dqk, dv, aligned and (not varlen or _whole_tiles(rems, keys=T)))
     BLOCK_M, warps, stages = _fwd_launch_cfg(dqk, dv, fp8)
     bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
     if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
@@ -245,7 +266,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
     _check_tune()
-    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing = _seq_info(qs, ks, cu_seqlens_q, cu_seqlens_k)
+    nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing, rems = _seq_facts(qs, ks, cu_seqlens_q,
+                                                                                        cu_seqlens_k)
     if stale and out is None:
         raise ValueError("delta='stale' needs the forward output.")
     lse = lse.contiguous()
@@ -319,8 +341,8 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     win = int(window) if window is not None else 0
     # the descriptors below assume the saved q8/k8/v8 are contiguous, as forward() makes them
     aligned = aligned and fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
-    dq_tma = _use_tma("dq", fp8, dqk, dv, aligned)
-    kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned)
+    dq_tma = _use_tma("dq", fp8, dqk, dv, aligned and _whole_tiles(rems, keys=T))
+    kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned and _whole_tiles(rems, queries=DS_TILE_Q))
     if N > 0 and max_n > 0:
         ka, kta, va = ks, ks, vs
         if fp8:

@@ -68,9 +68,13 @@ def _quantize_kernel(
     mask = (src[:, None] < end) & (cols[None, :] < D)
     x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
                 mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    # docs/numerics.md "Non-finite inputs": the scale comes from the finite values (one inf would zero its tile-mates;
+    # a max may skip or propagate NaN), and a non-finite value is stored as NaN (FP8 e4m3 has no inf; the GPU's
+    # satfinite cast would make inf 448)
+    finite = tl.abs(x) < float("inf")
+    amax = tl.max(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), axis=0)
     scale = tile_scale(amax, FMAX, POW2)
-    y = to_fp8(x / scale, E5M2, INTERP)
+    y = to_fp8(tl.where(finite, x / scale, float("nan")), E5M2, INTERP)
     if WRITE_Y:
         tl.store(Y + b.to(tl.int64) * syb + h.to(tl.int64) * syh + src[:, None] * syn + cols[None, :] * syd,
                  y, mask=mask)
