@@ -67,9 +67,11 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
     """The Gluon kernels (kernels/*_hopper.py: forward, dQ, dK/dV; dense causal and packed batches, and the full
     mask, where dQ's second pass is pipelined and dK/dV takes its tiles in pairs) compile for sm_90
     with the installed Triton (3.6's Gluon API or the renamed one since): no spills and no serialized wgmmas, the
-    properties their speed on the H200 rests on (docs/kernels.md). One known exception: with Triton 3.9 the
-    three-warpgroup forward at D=128 spills (16 bytes dense, 136 packed); it compiles clean with 3.6, the only
-    Triton the Gluon kernels run with (launch._hopper_case), and the bound keeps the 3.9 spill from growing unseen."""
+    properties their speed on the H200 rests on (docs/kernels.md). Known exceptions with Triton 3.9: the
+    three-warpgroup forward at D=128 spills (16 bytes dense, 136 packed), and the dK/dV kernel 48 bytes since its
+    accumulator units carry a running max (with Triton 3.6 on the H200 its fwd+bwd time did not change:
+    benchmarks/results/2026-12-01-stress). 3.6 is the only Triton the Gluon kernels run with
+    (launch._hopper_case); the bounds keep the 3.9 spills from growing unseen."""
     import triton
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
@@ -84,5 +86,10 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
     for ln in rows:
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in ln and "wgmma serialized: no" in ln, ln
         spill = int(re.search(r"spill=(\d+)B", ln).group(1))
-        allowed = 136 if " hopper_fwd " in ln and not triton.__version__.startswith("3.6") else 0
+        allowed = 0
+        if not triton.__version__.startswith("3.6"):
+            if " hopper_fwd " in ln:
+                allowed = 136
+            elif " hopper " in ln:  # dK/dV: the running max of its accumulator units (_fp8.acc_units), 48 B
+                allowed = 48
         assert spill <= allowed, ln
