@@ -350,8 +350,11 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
     """A sink logit s_h per query head joins every softmax denominator, with no value row:
     LSE' = logaddexp(LSE, s_h), O' = O * exp(LSE - LSE') (in fp32, rounded once more to out's dtype).
-    A row that sees no key (LSE -inf) gets LSE' = s_h and O' = 0. Returns (O', LSE')."""
-    lse_s = torch.logaddexp(lse, sinks.view(1, -1, 1))
+    A row that sees no key (LSE -inf) gets LSE' = s_h and O' = 0. A -inf sink is no sink; a NaN or +inf one makes
+    its head's LSE' NaN (exact attention's softmax gives NaN there too: docs/numerics.md, "Non-finite inputs").
+    Returns (O', LSE')."""
+    s = sinks.view(1, -1, 1)
+    lse_s = torch.logaddexp(lse, torch.where(s == math.inf, math.nan, s))
     out_s = (out.float() * torch.exp(lse - lse_s)[..., None]).to(out.dtype)
     return out_s, lse_s
 
