@@ -70,6 +70,19 @@ def make_inputs(profile: str, batch=1, heads=2, kv_heads=None, n=1024, d=64, see
     return tuple(t.to(dtype=dtype, device=device) for t in (q, k, v, do))
 
 
+def visible(n: int, m: int, causal: bool = True, window: int | None = None, device=None) -> torch.Tensor:
+    """(n, m) bool: which of a sequence's m keys each of its n queries sees (docs/numerics.md's masks: bottom-right
+    causal, then the window)."""
+    pos = torch.arange(n, device=device)[:, None] + (m - n)
+    cols = torch.arange(m, device=device)[None, :]
+    keep = torch.ones(n, m, dtype=torch.bool, device=device)
+    if causal:
+        keep &= cols <= pos
+        if window is not None:
+            keep &= cols > pos - window
+    return keep
+
+
 def exact_attention(q, k, v, causal=True, softmax_scale=None, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                     sinks=None):
     """Float64 attention, materialized (small problems only): the ground truth of tests and diagnostics.
@@ -90,14 +103,7 @@ def exact_attention(q, k, v, causal=True, softmax_scale=None, window=None, cu_se
     for q0, q1, k0, k1 in segments:
         n, m = q1 - q0, k1 - k0
         s = (q[:, :, q0:q1] @ k[:, :, k0:k1].transpose(-1, -2)) * scale
-        pos = torch.arange(n, device=q.device)[:, None] + (m - n)
-        cols = torch.arange(m, device=q.device)[None, :]
-        keep = torch.ones(n, m, dtype=torch.bool, device=q.device)
-        if causal:
-            keep &= cols <= pos
-            if window is not None:
-                keep &= cols > pos - window
-        s = s.masked_fill(~keep, float("-inf"))
+        s = s.masked_fill(~visible(n, m, causal, window, q.device), float("-inf"))
         if sinks is not None:
             sink = sinks.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
             p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]

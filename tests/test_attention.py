@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import hf_deltamatch
 from hf_deltamatch import DeltaMatchConfig, deltamatch_attention, reference
 from hf_deltamatch.attention import resolve_backend
-from hf_deltamatch.diagnostics import exact_attention
+from hf_deltamatch.diagnostics import exact_attention, visible
 
 BOUND = {"fp8": (0.08, 0.11), "bf16": (0.01, 0.01)}  # (forward, gradients)
 
@@ -153,12 +153,7 @@ def uncancelled_grad_norms(q, k, v, do, causal, window):
     kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     n, m = q.shape[2], k.shape[2]
     scale = q.shape[-1] ** -0.5
-    pos, cols = torch.arange(n)[:, None] + (m - n), torch.arange(m)[None, :]
-    keep = torch.ones(n, m, dtype=torch.bool)
-    if causal:
-        keep &= cols <= pos
-        if window is not None:
-            keep &= cols > pos - window
+    keep = visible(n, m, causal, window)
     p = torch.nan_to_num(torch.softmax((q @ kk.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf")), -1))
     a = p * (do.square() @ vv.square().transpose(-1, -2)).sqrt() * scale
     dk = (a.transpose(-1, -2) @ q.abs()).unflatten(1, (k.shape[1], g)).sum(2)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_deltamatch import DeltaMatchConfig, deltamatch_attention, reference
-from hf_deltamatch.diagnostics import exact_attention
+from hf_deltamatch.diagnostics import exact_attention, visible
 
 BOUND = {"fp8": (0.08, 0.11), "bf16": (0.01, 0.01)}  # out, dq/dk/dv (tests/test_attention.py)
 SINK_BOUND = {"fp8": 0.03, "bf16": 1e-4}  # d sinks, relative to sum_i |P_i,sink * delta_i| per head
@@ -70,13 +70,7 @@ def exact_lse(q, k, causal=True, window=None, cu_seqlens_q=None, cu_seqlens_k=No
     for q0, q1, k0, k1 in segs:
         n, m = q1 - q0, k1 - k0
         s = q[:, :, q0:q1] @ k[:, :, k0:k1].transpose(-1, -2) / math.sqrt(q.shape[-1])
-        pos, cols = torch.arange(n)[:, None] + (m - n), torch.arange(m)[None, :]
-        keep = torch.ones(n, m, dtype=torch.bool)
-        if causal:
-            keep &= cols <= pos
-            if window is not None:
-                keep &= cols > pos - window
-        out.append(torch.logsumexp(s.masked_fill(~keep, float("-inf")), dim=-1))
+        out.append(torch.logsumexp(s.masked_fill(~visible(n, m, causal, window), float("-inf")), dim=-1))
     return torch.cat(out, dim=2)
 
 
