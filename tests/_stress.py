@@ -104,7 +104,7 @@ def exact(case: Case):
     each (float64): |P| |V| for out, scale A|K| for dq, scale A^T|Q| for dk, P^T |dO| for dv, A_ij = P_ij |dO_i o
     V_j|. Rounding the operands to e4m3 moves each product by ~2^-4 of these, however much the true gradient
     cancels (a sink's P close to 1 leaves dS, and so dQ, near 0): errors are measured against them."""
-    from hf_deltamatch.diagnostics import exact_attention
+    from hf_deltamatch.diagnostics import exact_attention, visible
 
     q, k, v = (t.detach().double().requires_grad_() for t in (case.q, case.k, case.v))
     do = case.do.double()
@@ -122,8 +122,7 @@ def exact(case: Case):
     for q0, q1, k0, k1 in segments:
         qs, ks, vs, dos = q.detach()[:, :, q0:q1], kk[:, :, k0:k1], vv[:, :, k0:k1], do[:, :, q0:q1]
         s = qs @ ks.transpose(-1, -2) * scale
-        pos = torch.arange(q1 - q0, device=s.device)[:, None] + (k1 - k0) - (q1 - q0)
-        keep = torch.arange(k1 - k0, device=s.device)[None, :] <= pos if case.causal else torch.ones_like(s, dtype=bool)
+        keep = visible(q1 - q0, k1 - k0, case.causal, device=s.device)
         p = torch.nan_to_num(torch.softmax(s.masked_fill(~keep, float("-inf")), -1))
         a = p * (dos.square() @ vs.square().transpose(-1, -2)).sqrt() * scale
         scales[0][:, :, q0:q1] = p @ vs.abs()
