@@ -54,7 +54,8 @@ def _run(B=1, Hq=2, Hkv=1, N=128, M=None, Dqk=64, Dv=None, causal=True, window=N
         for t in toks:  # tokens outside every sequence are unspecified
             assert torch.equal(fk[2][:, :, t].float(), fr[2][:, :, t].float())
             assert torch.equal(fk[5][:, :, t], fr[5][:, :, t])
-        assert fk[4].shape == fr[4].shape and fk[4].stride() == fr[4].stride()
+        # rows of D contiguous elements; the kernels' may sit in heads padded to quantize.TAIL_ROWS rows
+        assert fk[4].shape == fr[4].shape and fk[4].stride()[2:] == fr[4].stride()[2:]
     else:
         for t in fk[2:]:
             assert t.numel() == 0 or config.precision == "fp8"

@@ -264,8 +264,8 @@ def test_stale_delta(backend, tensor):
 
 
 def test_tma_only_where_no_tile_crosses_a_sequence_end():
-    """A TMA tile past a sequence's end reads the next sequence's (or head's) tokens, where a NaN would reach the
-    MMAs as 0 x NaN: the kernels read through TMA only where every sequence is whole tiles (kernels._whole_tiles)."""
+    """On a varlen batch a TMA tile past a sequence's end reads the next sequence's tokens, where a NaN would reach
+    the MMAs as 0 x NaN: the kernels read it through TMA only where every sequence is whole tiles (_whole_tiles)."""
     from hf_deltamatch.kernels import ops as K
 
     z = torch.zeros(1, 1, 256, 64)
@@ -277,6 +277,41 @@ def test_tma_only_where_no_tile_crosses_a_sequence_end():
     assert not K._whole_tiles(whole, keys=128)
     assert not K._whole_tiles(K._seq_facts(z[:, :, :200], z, None, None)[7], queries=64)
     assert K._whole_tiles(K._seq_facts(z[:, :, :192], z, None, None)[7], queries=64, keys=128)
+
+
+@pytest.mark.parametrize("tensor", ["q", "v"])
+def test_dense_tail_tiles_read_zeros_not_the_next_head(tensor):
+    """Dense N = 200 (a tail tile): q8/k8/v8/dO8 heads padded to quantize.TAIL_ROWS rows of zeros, so the TMA
+    tiles that read past a head's end (every kernel's TMA path forced on) see zeros, not the next head's tokens:
+    a NaN in head 1's first tokens leaves head 0's outputs and gradients finite and bit-identical to a clean run.
+    (q: the dK/dV kernel's q tiles, 0 x NaN in dS^T q; v: the dQ kernel's V tiles, NaN in dP, then dS.)"""
+    from hf_deltamatch import kernels as K
+    from hf_deltamatch.kernels import ops as KO
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(1, 2, 200, 64, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4))
+    kw = dict(causal=True, softmax_scale=0.125, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+
+    def run(q, v):
+        f = K.forward(q, k, v, **kw)
+        return (*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)), f[2:5]
+
+    K.TUNE.update(fwd_tma=True, dq_tma=True, dkdv_tma=True)
+    try:
+        clean, saved = run(q, v)
+        poisoned = {"q": q.clone(), "v": v.clone()}
+        poisoned[tensor][0, 1, 10, 3] = NAN
+        bad, _ = run(poisoned["q"], poisoned["v"])
+    finally:
+        K.TUNE.clear()
+    for a, b in zip(clean, bad):
+        assert torch.equal(a[:, 0], b[:, 0]) and torch.isfinite(a[:, 0]).all()
+    assert not torch.isfinite(bad[2][:, 1]).all()  # dq of head 1
+    for t in saved:  # q8, k8, v8: each head 256 rows, the last 56 zeros
+        assert t.stride(1) == 256 * 64 and not t.as_strided((1, 2, 56, 64), t.stride(), 200 * 64).float().any()
+        assert KO._tma_rows(t, varlen=False)
+    assert not KO._tma_rows(q.contiguous(), varlen=False)  # 200 rows a head: a tile past it would read head 1
 
 
 def test_quantization_keeps_non_finite_and_tile_mates():

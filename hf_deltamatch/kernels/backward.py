@@ -177,7 +177,8 @@ def _bwd_dq_kernel(
         Kb = K + b64 * skb + hk64 * skh + k0.to(tl.int64) * skn
         KTb = KT + b64 * ktb + hk64 * kth + k0.to(tl.int64) * ktn
         Vb = V + b64 * svb + hk64 * svh + k0.to(tl.int64) * svn
-    kv_row = (b * Hkv + hk) * M + k0  # TMA: rows of (B*Hkv*M, D) views, and of the (B*Hkv*Dqk, M) view of k8t
+    kv_row = (b * Hkv + hk) * (skh // skn) + k0  # TMA: rows of the (B*Hkv*Rk, D) views (ops._desc), and of the
+    # (B*Hkv*Dqk, M) view of k8t
     kt_row = (b * Hkv + hk) * DQK
     SKb = SK + (b64 * Hkv + hk) * M + k0
     SVb = SV + (b64 * Hkv + hk) * M + k0
@@ -475,8 +476,8 @@ def _bwd_dkdv_kernel(
             QTg = QT + b64 * qtb + h64 * qth + q064 * qtn
             DOg = DO + b64 * sdob + h64 * sdoh + q064 * sdon
             DOTg = DOT + b64 * dtb + h64 * dth + q064 * dtn
-        bh32 = (b * Hq + hk * GROUPS + g).to(tl.int32)  # TMA: rows of the (B*Hq*N, D) and (B*Hq*D, N) views
-        q_row = bh32 * N + q0
+        bh32 = (b * Hq + hk * GROUPS + g).to(tl.int32)  # TMA: rows of the (B*Hq*Rq, D) and (B*Hq*D, N) views
+        q_row = bh32 * (sqh // sqn) + q0
         qt_row = bh32 * DQK
         dt_row = bh32 * DV_
         SQg = SQ + bh * N + q0

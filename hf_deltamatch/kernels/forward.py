@@ -43,10 +43,10 @@ def _load_2d(ptrs, rows, cols, R_LIM, C_LIM, MASK_R: tl.constexpr, MASK_C: tl.co
 def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexpr, MASK_C: tl.constexpr,
           TMA: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
     """A (rows, cols) tile. Pointer path: masked load at X + offs_r * s_r + offs_c * s_c. TMA: X is a descriptor,
-    read at [row, col] (token-major: a (cols, rows) box, transposed). Rows past R_LIM then hold the next head's
-    or sequence's tokens, or zeros (outside every sequence, docs/numerics.md; TMA's fill past the tensor): the
-    score masks give them P = 0, and kernels._whole_tiles keeps TMA off where a NaN there could reach an MMA
-    (0 x NaN). (Zeroing them here instead cost the backward's dQ kernel ~1800 more byte permutes/selects in its
+    read at [row, col] (token-major: a (cols, rows) box, transposed). Rows past R_LIM then hold zeros (a dense
+    head's padding rows, ops._tma_rows; outside every sequence, docs/numerics.md; TMA's fill past the tensor) or
+    the next sequence's tokens: the score masks give them P = 0, and ops._whole_tiles keeps TMA off where a NaN
+    there could reach an MMA (0 x NaN). (Zeroing them here instead cost the backward's dQ kernel ~1800 more byte permutes/selects in its
     masked loop, sm_90 SASS; the forward 70 more registers.)"""
     if TMA:
         if TOKEN_MAJOR:
@@ -241,10 +241,11 @@ def _fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    # TMA: row offsets into the 2-D views the descriptors cover ((B*Hq*N, Dqk), (B*Hkv*M, Dqk), (B*Hkv*Dv, M))
-    k_row = (b * Hkv + hk) * M + k0
+    # TMA: row offsets into the 2-D views the descriptors cover ((B*Hq*Rq, Dqk), (B*Hkv*Rk, Dqk), (B*Hkv*Dv, M)),
+    # R a head's rows in q8 / k8 (ops._desc)
+    k_row = (b * Hkv + hk) * (skh // skn) + k0
     v_row = (b * Hkv + hk) * DV
-    q = _tile(Qb, (b * Hq + h) * N + q0 + start_m, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, True, BLOCK_DQK != DQK,
+    q = _tile(Qb, (b * Hq + h) * (sqh // sqn) + q0 + start_m, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, True, BLOCK_DQK != DQK,
               TMA, False)
     if INTERP and not FP8:
         q = q.to(tl.float32)

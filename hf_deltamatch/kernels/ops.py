@@ -27,7 +27,7 @@ from .launch import (
     DQ_HOPPER_WARPGROUPS, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid,
     _use_tma, _wait_mma,
 )
-from .quantize import _fill_outside, quantize, quantize_padded, token_major
+from .quantize import TAIL_ROWS, _fill_outside, quantize, quantize_padded, token_major
 from .._tensor_cache import TensorCache
 from .segments import ROW_ALIGN, pad, padded_layout, padded_rows
 
@@ -113,10 +113,11 @@ def _seq_facts(q, k, cu_seqlens_q, cu_seqlens_k):
 
 def _whole_tiles(rems, queries: int = 0, keys: int = 0) -> bool:
     """Whether every query sequence is whole `queries`-token tiles and every key sequence whole `keys`-token ones
-    (0: either). A TMA tile past a sequence's end reads the next sequence's or head's tokens: masked scores give
-    them P = 0, but a NaN there would reach the MMAs as 0 x NaN (docs/numerics.md, "Non-finite inputs"), so the
-    kernels whose products take such rows unmasked (the forward's V on a varlen batch, the dQ kernel's V and K^T,
-    the dK/dV kernel's q and dO tiles) read them through TMA only where no tile crosses a sequence's end."""
+    (0: either). On a varlen batch a TMA tile past a sequence's end reads the next sequence's tokens: masked
+    scores give them P = 0, but a NaN there would reach the MMAs as 0 x NaN (docs/numerics.md, "Non-finite
+    inputs"), so the kernels whose products take such rows unmasked (the forward's V, the dQ kernel's V and K^T,
+    the dK/dV kernel's q and dO tiles) read them through TMA only where no tile crosses a sequence's end. (A dense
+    batch's heads end in zero rows instead: _tma_rows.)"""
     rq, rk = {64: rems[0], 128: rems[2]}, {64: rems[1], 128: rems[3]}
     return (not queries or rq[queries] == 0) and (not keys or rk[keys] == 0)
 
@@ -155,13 +156,26 @@ def _packed(packing, B: int, causal: bool, window) -> bool:
 
 
 def _desc(x, tokens: int, dims: int):
-    """TMA descriptor over a 2-D view of x (B, H, N, D), boxes of `tokens` x `dims` elements: (B*H*N, D) for
-    our contiguous row-major tensors, (B*H*D, N) for a token-major view of (B, H, D, N16) storage (boxes then
-    `dims` x `tokens`, read transposed by _tile)."""
+    """TMA descriptor over a 2-D view of x (B, H, N, D), boxes of `tokens` x `dims` elements: (B*H*R, D) for
+    our row-major tensors (R = N, or N rounded up to quantize.TAIL_ROWS with zero rows: a tile past a head's
+    end reads zeros; the kernels count rows by the head stride), (B*H*D, N) for a token-major view of
+    (B, H, D, N16) storage (boxes then `dims` x `tokens`, read transposed by _tile; TMA fills zeros past N)."""
     B, H, N, D = x.shape
     if x.stride(2) == 1:  # token-major
         return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], [dims, tokens])
-    return TensorDescriptor(x, [B * H * N, D], [D, 1], [tokens, dims])
+    return TensorDescriptor(x, [B * H * (x.stride(1) // D), D], [D, 1], [tokens, dims])
+
+
+def _tma_rows(t, varlen: bool) -> bool:
+    """Whether _desc's row-major view covers t (B, H, N, D): rows of D contiguous elements, R rows per head, the
+    heads one after another; and, on a dense batch, R the head's tiles rounded up to quantize.TAIL_ROWS (zeros
+    past N, so a tile past a head's end never reads the next head). A varlen batch's tiles stay inside its
+    sequences (_whole_tiles)."""
+    B, H, N, D = t.shape
+    rows = t.stride(1) // max(D, 1)
+    heads_in_order = B == 1 or t.stride(0) == H * rows * D
+    return (t.stride(3) == 1 and t.stride(2) == D and t.stride(1) == rows * D and heads_in_order
+            and (varlen or rows >= -(-N // TAIL_ROWS) * TAIL_ROWS))
 
 
 def _s4(t):
@@ -339,10 +353,11 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
-    # the descriptors below assume the saved q8/k8/v8 are contiguous, as forward() makes them
-    aligned = aligned and fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
-    dq_tma = _use_tma("dq", fp8, dqk, dv, aligned and _whole_tiles(rems, keys=T))
-    kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned and _whole_tiles(rems, queries=DS_TILE_Q))
+    # the descriptors below assume the saved q8/k8/v8 are row-major as quantize() makes them (_desc); on a varlen
+    # batch a tile past a sequence's end reads the next one's tokens, so there only whole tiles (_whole_tiles)
+    aligned = aligned and fp8 and all(_tma_rows(t, varlen) for t in (q8, k8, v8, do8))
+    dq_tma = _use_tma("dq", fp8, dqk, dv, aligned and (not varlen or _whole_tiles(rems, keys=T)))
+    kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned and (not varlen or _whole_tiles(rems, queries=DS_TILE_Q)))
     if N > 0 and max_n > 0:
         ka, kta, va = ks, ks, vs
         if fp8:

@@ -15,6 +15,7 @@ import triton.language as tl
 from ._fp8 import FP8_MAX, INTERPRET, tile_scale, to_fp8
 
 FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+TAIL_ROWS = 128  # the most rows a kernel's TMA tile reads (a key tile; 64 or 128 queries)
 
 # Whether _quantize_kernel writes the token-major copy itself (one pass over the input). Triton 3.9 compiles that
 # second store wrongly for sm_90 on dense batches (the forward's v8t came out as garbage or NaN on the H200 while
@@ -123,7 +124,16 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
     tiled = segments is not None and cu_seqlens is not None
     # varlen: zeros and scale 1 outside the sequences; with the tile list the kernel writes every row inside them
     fill = cu_seqlens is not None and not tiled
-    y = (torch.zeros if fill else torch.empty)((B, H, N, D), dtype=dt, device=x.device) if row_major else None
+    y = None
+    if row_major:
+        # dense: each head's rows rounded up to TAIL_ROWS, zeros past N, so that a TMA tile past a head's end reads
+        # zeros, not the next head's tokens (a NaN there would reach an MMA as 0 x NaN: docs/numerics.md); the
+        # kernels count TMA rows by the head stride (ops._desc)
+        rows = N if fill or tiled or N % TAIL_ROWS == 0 else -(-N // TAIL_ROWS) * TAIL_ROWS
+        y = (torch.zeros if fill else torch.empty)((B, H, rows, D), dtype=dt, device=x.device)
+        if rows > N:
+            y[:, :, N:].zero_()
+            y = y[:, :, :N]
     yt = None
     if transposed:  # token stride padded to 16 bytes, as a TMA descriptor over (B*H*D, N) needs
         n16 = -(-N // 16) * 16
