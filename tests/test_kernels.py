@@ -515,6 +515,8 @@ def test_gluon_triton_version_gate(monkeypatch):
     assert got == (False, False, False) and len(msgs) == 1, msgs
     assert "99.1.0" in msgs[0] and launch.GLUON_TRITON_VERSIONS[0] in msgs[0] and "HF_DELTAMATCH_GLUON=1" in msgs[0]
     assert gluon() == ((False, False, False), [])  # once per process
+    monkeypatch.setattr(triton, "__version__", launch.GLUON_TRITON_VERSIONS[0] + "0.1")  # major.minor, not a prefix
+    assert gluon() == ((False, False, False), [])
     monkeypatch.setenv(launch.GLUON_ENV, "1")
     assert gluon() == ((True, True, True), [])
     monkeypatch.setattr(triton, "__version__", launch.GLUON_TRITON_VERSIONS[0] + ".0")

@@ -196,12 +196,17 @@ DKDV_HOPPER_PIPE = {2: True, 3: False}  # by MMA warpgroups
 DKDV_HOPPER_PIPE_PTXAS_BELOW = 13
 
 
-@functools.lru_cache(maxsize=None)
-def _sm90_ptxas_major() -> int:
-    """The CUDA major version of the ptxas that Triton runs for sm_90 (its bundled one, or TRITON_PTXAS_PATH /
+def sm90_ptxas() -> str:
+    """The path of the ptxas that Triton runs for sm_90 (its bundled one, or TRITON_PTXAS_PATH /
     TRITON_PTXAS_BLACKWELL_PATH)."""
     from triton.backends.nvidia.compiler import get_ptxas
-    out = subprocess.run([get_ptxas(90).path, "--version"], capture_output=True, text=True, check=True).stdout
+    return get_ptxas(90).path
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_ptxas_major() -> int:
+    """The CUDA major version of sm90_ptxas()."""
+    out = subprocess.run([sm90_ptxas(), "--version"], capture_output=True, text=True, check=True).stdout
     found = re.search(r"release (\d+)\.", out)
     if not found:
         raise RuntimeError(f"cannot read the CUDA version of ptxas from {out!r}")
@@ -231,7 +236,7 @@ DQ_HOPPER_WARPGROUPS = 2
 HOPPER_PACKED = True
 
 
-# The Triton versions (prefixes of triton.__version__) with which the Gluon kernels passed their GPU tests
+# The Triton versions (major.minor, as ops.GPU_TESTED_TRITON) with which the Gluon kernels passed their GPU tests
 # (tests/test_kernels_gpu.py); with any other the Triton kernels run instead (_gluon_triton_ok), unless
 # HF_DELTAMATCH_GLUON=1. A version joins only after those tests pass with it on the H200
 # (benchmarks/triton_versions.sh).
@@ -252,14 +257,14 @@ def _gluon_triton_ok(warn: bool = True) -> bool:
         raise ValueError(f"{GLUON_ENV}={want!r}: use 1 (the Gluon kernels on any Triton version) or 0 (never)")
     if want:
         return want == "1"
-    if triton.__version__.startswith(GLUON_TRITON_VERSIONS):
+    if ".".join(triton.__version__.split(".")[:2]) in GLUON_TRITON_VERSIONS:
         return True
     if warn and not _warned_gluon_version:
         _warned_gluon_version = True
         warnings.warn(f"hf_deltamatch: the Gluon (sm_90) kernels are tested with Triton "
                       f"{', '.join(v + '.x' for v in GLUON_TRITON_VERSIONS)}, not {triton.__version__}: the plain "
                       f"Triton kernels run instead (slower). Install a tested Triton for the fast path, or set "
-                      f"{GLUON_ENV}=1 to run the Gluon kernels on this version anyway.", stacklevel=3)
+                      f"{GLUON_ENV}=1 to run the Gluon kernels on this version anyway.", RuntimeWarning, stacklevel=3)
     return False
 
 
