@@ -18,7 +18,8 @@ or the MUFU (docs/kernels.md), so this count is the figure to lower.
 its S^T and dP^T MMAs to the operands of its dV and dK MMAs (mma_operands) and checks them (check_dkdv_operands):
 dV's from S^T alone (P8), dK's from S^T and dP^T (dS8) or, with the pipelined dK MMA, from neither (the previous
 tile's dS8). ptxas of CUDA 13 fails this check on the pipelined variant (docs/kernels.md); --dkdv-pipe on compiles
-that variant whatever launch.py would choose.
+that variant (dkdv_hopper.pipe_mode 1) whatever launch.py would choose, --dkdv-pipe fresh the one with a fresh dP^T
+accumulator (2), --dkdv-pipe off neither.
 """
 
 import argparse
@@ -308,8 +309,9 @@ def main():
     p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
     p.add_argument("--operands", action="store_true",
                    help="the Gluon dK/dV kernel (hopper): check its MMAs' operands tile by tile (check_dkdv_operands)")
-    p.add_argument("--dkdv-pipe", choices=("on", "off"),
-                   help="the Gluon dK/dV kernel's pipelined dK MMA on or off, whatever launch.py would choose")
+    p.add_argument("--dkdv-pipe", choices=("on", "fresh", "off"),
+                   help="the Gluon dK/dV kernel's pipelined dK MMA (dkdv_hopper.pipe_mode 1), with a fresh dP^T "
+                        "accumulator (2), or off, whatever launch.py would choose")
     args = p.parse_args()
     fp8 = not args.bf16
     for var in args.variants.split(";"):
@@ -341,18 +343,19 @@ def main():
                                             TMA=KL._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
         }
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
-            from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
+            from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel, pipe_mode
             if args.dkdv_pipe:  # launch refuses the pipelined MMA under some ptxas: decide it here instead
                 K.TUNE["dkdv_hopper_pipe"] = False
             cfg = KL._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen)
             if args.dkdv_pipe:
-                cfg["pipe"] = args.dkdv_pipe == "on"
+                cfg["pipe"], cfg["fresh_dp"] = args.dkdv_pipe != "off", args.dkdv_pipe == "fresh"
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                             STAGES=cfg["stages"], FOLD=cfg["fold"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
                                                             REGS=cfg["regs"],
                                                             PAIRS=cfg["pairs"], PEEL=cfg["peel"],
-                                                            AHEAD=cfg["ahead"], PIPE=cfg["pipe"]), 4, 1)
+                                                            AHEAD=cfg["ahead"],
+                                                            PIPE=pipe_mode(cfg["pipe"], cfg["fresh_dp"])), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             cfg = KL._dq_hopper_cfg(args.d, causal)
@@ -382,7 +385,7 @@ def main():
                 for tile in tiles:
                     print(f"{'':46s} tile @{tile[0][0]}: " + ", ".join(
                         f"{acc} += {operand_kind(tags)}" for _, acc, _, tags in tile), flush=True)
-                problems = check_dkdv_operands(tiles, jobs["hopper"][1]["PIPE"])
+                problems = check_dkdv_operands(tiles, jobs["hopper"][1]["PIPE"] > 0)
                 print(f"{'':46s} operands: " + ("ok" if not problems else "WRONG\n" + "\n".join(problems)),
                       flush=True)
             if args.loops:

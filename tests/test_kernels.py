@@ -603,17 +603,19 @@ def test_dkdv_hopper_pipe_by_case(monkeypatch, ptxas):
     """The dK/dV kernel's pipelined dK MMA (DKDV_HOPPER_PIPE, by MMA warpgroups): by default with two warpgroups
     (D=128) on dense batches without GQA, causal or not; never on packed batches, nor with three warpgroups (D=64)
     and GQA, where asking for it through TUNE is an error; TUNE may switch it on with GQA (two warpgroups) and with
-    three warpgroups without GQA. Never where Triton's sm_90 ptxas is CUDA 13 or later (it miscompiles the
-    pipelined MMA's operand): off by default there, and asking for it is an error."""
+    three warpgroups without GQA. Where Triton's sm_90 ptxas is CUDA 13 or later (it miscompiled the pipelined
+    MMA's operand) it is off by default, and TUNE switches on the form with a fresh dP^T accumulator (fresh_dp)."""
     from hf_deltamatch.kernels import launch
+    from hf_deltamatch.kernels.dkdv_hopper import pipe_mode
     monkeypatch.setattr(launch, "_sm90_ptxas_major", lambda: ptxas)
     if ptxas >= launch.DKDV_HOPPER_PIPE_PTXAS_BELOW:
         for d, causal in ((128, True), (128, False), (64, True)):
-            assert not launch._dkdv_hopper_cfg(d, causal=causal, groups=1, packed=False)["pipe"]
+            cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=1, packed=False)
+            assert not cfg["pipe"] and not cfg["fresh_dp"] and pipe_mode(cfg["pipe"], cfg["fresh_dp"]) == 0
         K.TUNE.update(dkdv_hopper_pipe=True)
         try:
-            with pytest.raises(ValueError, match="ptxas of CUDA 13 miscompiles"):
-                launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)
+            cfg = launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)
+            assert cfg["pipe"] and cfg["fresh_dp"] and pipe_mode(cfg["pipe"], cfg["fresh_dp"]) == 2
         finally:
             K.TUNE.clear()
         return
@@ -621,7 +623,8 @@ def test_dkdv_hopper_pipe_by_case(monkeypatch, ptxas):
                                       (128, True, 1, True), (64, True, 1, False), (64, False, 1, False)):
         cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=groups, packed=packed)
         want = launch.DKDV_HOPPER_PIPE[cfg["warpgroups"]] and groups == 1 and not packed
-        assert cfg["pipe"] == want, (d, causal, groups, packed)
+        assert cfg["pipe"] == want and not cfg["fresh_dp"], (d, causal, groups, packed)
+        assert pipe_mode(cfg["pipe"], cfg["fresh_dp"]) == int(want)
     K.TUNE.update(dkdv_hopper_pipe=True)
     try:
         assert launch._dkdv_hopper_cfg(128, causal=True, groups=4, packed=False)["pipe"]

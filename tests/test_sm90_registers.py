@@ -136,18 +136,22 @@ def test_dkdv_operand_check_on_hand_written_tiles():
     assert mod.check_dkdv_operands([], pipe=False) == ["no dK/dV tile found in the SASS"]
 
 
-def test_pipelined_dkdv_operands_by_ptxas():
+@pytest.mark.parametrize("form", ["on", "fresh"])
+def test_pipelined_dkdv_operands_by_ptxas(form):
     """The dK/dV kernel's pipelined dK MMA (TUNE dkdv_hopper_pipe) compiled for sm_90 on the full mask at D=128 with
-    the installed Triton: its operands check out with a CUDA 12 ptxas (Triton 3.6, 3.7) and not with CUDA 13's
-    (Triton 3.9), which is why launch.py leaves it off there. Should a later ptxas compile it right, this fails and
-    launch.DKDV_HOPPER_PIPE_PTXAS_BELOW can go."""
+    the installed Triton. Its first form (dP^T's MMA into the registers that carried dS^T) checks out with a CUDA 12
+    ptxas (Triton 3.6, 3.7) and not with CUDA 13's (Triton 3.9), which is why launch.py uses the second there (a
+    fresh dP^T accumulator), which checks out with both, and no serialized wgmma. Should a later ptxas compile the
+    first form right, this fails and launch.DKDV_HOPPER_PIPE_PTXAS_BELOW can go."""
     from hf_deltamatch.kernels import launch
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--full", "--kernels", "hopper", "--operands",
-                          "--dkdv-pipe", "on"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                          "--dkdv-pipe", form], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if res.returncode and "Cannot find" in res.stderr:
         pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 0, res.stderr[-2000:]
-    broken = launch._sm90_ptxas_major() >= launch.DKDV_HOPPER_PIPE_PTXAS_BELOW
+    broken = form == "on" and launch._sm90_ptxas_major() >= launch.DKDV_HOPPER_PIPE_PTXAS_BELOW
     assert ("operands: WRONG" if broken else "operands: ok") in res.stdout, res.stdout
+    if form == "fresh":
+        assert "wgmma serialized: no" in res.stdout, res.stdout

@@ -188,10 +188,12 @@ DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
 # With two warpgroups on dense batches without GQA, each tile's dK MMA issued with the next tile's S^T and dP^T MMAs,
 # to run under that tile's exponentials (dQ, dK, dV bit-identical): 0.89x the time on the full mask, 0.92x causal;
 # not with GQA (1.02x, spills), nor with three warpgroups (1.08x causal, 1.27x full).
-# Not with a ptxas of CUDA 13 or later (Triton 3.9 assembles sm_90 with its CUDA 13.4 `ptxas-blackwell`, 3.6 and
-# 3.7 with CUDA 12.8's `ptxas`): that ptxas moves half of the fp8 conversions of the carried dS^T past the dP^T MMA
-# that reuses their registers as its accumulator, so dK's MMA reads the new tile's dP^T (dK wrong by 16x-1e6x),
-# and it serializes every wgmma (docs/kernels.md, "ptxas 13 and the pipelined dK MMA"); _sm90_ptxas_major.
+# Not by default with a ptxas of CUDA 13 or later (Triton 3.9 assembles sm_90 with its CUDA 13.4 `ptxas-blackwell`,
+# 3.6 and 3.7 with CUDA 12.8's `ptxas`: _sm90_ptxas_major): that ptxas moved half of the fp8 conversions of the
+# carried dS^T past the dP^T MMA that reuses their registers as its accumulator, so dK's MMA read the new tile's dP^T
+# (dK wrong by 16x-1e6x on the H200), and serialized every wgmma (docs/kernels.md, "ptxas 13 and the pipelined dK
+# MMA"). There TUNE may still switch it on, with dP^T's MMA into a fresh accumulator (dkdv_hopper.pipe_mode 2: right
+# operands, no serialized wgmma, 120-144 bytes of spills at D=128; untimed).
 DKDV_HOPPER_PIPE = {2: True, 3: False}  # by MMA warpgroups
 DKDV_HOPPER_PIPE_PTXAS_BELOW = 13
 
@@ -347,19 +349,14 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
     DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a tile ahead always
     with GQA (the loop counts the group's heads that way), else by default on dense batches by warpgroups
-    (DKDV_HOPPER_AHEAD)."""
+    (DKDV_HOPPER_AHEAD); the pipelined dK MMA with a fresh dP^T accumulator (fresh_dp) under ptxas 13+."""
     wgs = _warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS)
     n = wgs["warpgroups"]
     peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n)
     pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2
     ahead = groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD[n] and not packed))
-    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE[n] and groups == 1))
-    if pipe and _sm90_ptxas_major() >= DKDV_HOPPER_PIPE_PTXAS_BELOW:
-        if TUNE.get("dkdv_hopper_pipe"):
-            raise ValueError(f"dkdv_hopper_pipe: the ptxas of CUDA {_sm90_ptxas_major()} miscompiles it (dK wrong; "
-                             f"launch.DKDV_HOPPER_PIPE); leave it unset, or use a Triton whose sm_90 ptxas is CUDA "
-                             f"{DKDV_HOPPER_PIPE_PTXAS_BELOW - 1} (Triton 3.6)")
-        pipe = False
+    fresh_dp = _sm90_ptxas_major() >= DKDV_HOPPER_PIPE_PTXAS_BELOW
+    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE[n] and groups == 1 and not fresh_dp))
     if pipe and (packed or (n == 3 and groups > 1)):
         if "dkdv_hopper_pipe" in TUNE:
             raise ValueError("dkdv_hopper_pipe: dense batches only, and with three MMA warpgroups (dkdv_hopper_wgs) "
@@ -367,7 +364,7 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
         pipe = False
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)), pairs=pairs, peel=peel, ahead=ahead,
-                pipe=pipe, **wgs)
+                pipe=pipe, fresh_dp=pipe and fresh_dp, **wgs)
 
 
 def _fwd_hopper_cfg(d: int) -> dict:
