@@ -98,10 +98,10 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
 
 
 def _tile_sass(dk_from):
-    """A dK/dV tile in SASS: S^T into R24.. and dP^T into R56.. (fresh MMAs), P8 packed
-    from S^T into R8-R11 for dV's MMA (R88), and dK's MMA (R120) from R16-R19 (two k-steps each), packed from `dk_from`: "dS" (S^T times
-    dP^T minus a loaded delta), "carried" (registers from before the tile), "dP" (the dP^T accumulator alone: what
-    ptxas 13 made of the pipelined dK MMA)."""
+    """A dK/dV tile in SASS: S^T into R24.. and dP^T into R56.. (fresh MMAs), P8 packed from S^T into R8-R11 for
+    dV's MMA (R88), and dK's MMA (R120) from R16-R19, two k-steps each, R16-R19 packed from `dk_from`: "dS" (S^T
+    times dP^T minus a loaded delta), "carried" (registers from before the tile), "dP" (the dP^T accumulator alone:
+    what ptxas 13 made of the pipelined dK MMA)."""
     src = {"dS": [f"FFMA R{60 + r}, R{56 + r}, R2, -R3\nFMUL R{60 + r}, R{26 + r}, R{60 + r}" for r in range(8)],
            "carried": [f"FMUL R{60 + r}, R{160 + r}, R2" for r in range(8)],
            "dP": [f"MOV R{60 + r}, R{56 + r}" for r in range(8)]}[dk_from]
@@ -110,11 +110,13 @@ def _tile_sass(dk_from):
              "QGMMA.64x64x32.F32.E4M3.E4M3 R56, gdesc[UR12], RZ, !UPT, gsb0",
              "WARPGROUP.DEPBAR.LE gsb0, 0x1",
              *[f"MUFU.EX2 R{24 + r}, R{24 + r}" for r in range(8)],
-             *[f"F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R{8 + r}, R{25 + 2 * r}, R{24 + 2 * r}, RZ" for r in range(4)],
+             *[f"F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R{8 + r}, R{25 + 2 * r}, R{24 + 2 * r}, RZ"
+               for r in range(4)],
              "QGMMA.64x64x32.F32.E4M3.E4M3 R88, R8, gdesc[UR16], R88",
              "QGMMA.64x64x32.F32.E4M3.E4M3 R88, R8, gdesc[UR18], R88, gsb0",
              *src,
-             *[f"F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R{16 + r}, R{61 + 2 * r}, R{60 + 2 * r}, RZ" for r in range(4)],
+             *[f"F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R{16 + r}, R{61 + 2 * r}, R{60 + 2 * r}, RZ"
+               for r in range(4)],
              "QGMMA.64x64x32.F32.E4M3.E4M3 R120, R16, gdesc[UR20], R120",
              "QGMMA.64x64x32.F32.E4M3.E4M3 R120, R16, gdesc[UR22], R120, gsb0",
              "WARPGROUP.DEPBAR.LE gsb0, 0x0"]

@@ -196,23 +196,6 @@ DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
 # operands, no serialized wgmma, 120-144 bytes of spills at D=128; untimed).
 DKDV_HOPPER_PIPE = {2: True, 3: False}  # by MMA warpgroups
 DKDV_HOPPER_PIPE_PTXAS_BELOW = 13
-
-
-def sm90_ptxas() -> str:
-    """The path of the ptxas that Triton runs for sm_90 (its bundled one, or TRITON_PTXAS_PATH /
-    TRITON_PTXAS_BLACKWELL_PATH)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-    return get_ptxas(90).path
-
-
-@functools.lru_cache(maxsize=None)
-def _sm90_ptxas_major() -> int:
-    """The CUDA major version of sm90_ptxas()."""
-    out = subprocess.run([sm90_ptxas(), "--version"], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"release (\d+)\.", out)
-    if not found:
-        raise RuntimeError(f"cannot read the CUDA version of ptxas from {out!r}")
-    return int(found.group(1))
 DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
@@ -236,6 +219,23 @@ DQ_HOPPER_WARPGROUPS = 2
 # multiples of 128): causal self-attention, one batch row, no window, forward and backward alike. On a packed batch
 # the Triton kernels are far slower than on a dense one: the Gluon forward 0.64x their time, dQ 0.45x.
 HOPPER_PACKED = True
+
+
+def sm90_ptxas() -> str:
+    """The path of the ptxas that Triton runs for sm_90 (its bundled one, or TRITON_PTXAS_PATH /
+    TRITON_PTXAS_BLACKWELL_PATH)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    return get_ptxas(90).path
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_ptxas_major() -> int:
+    """The CUDA major version of sm90_ptxas()."""
+    out = subprocess.run([sm90_ptxas(), "--version"], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"release (\d+)\.", out)
+    if not found:
+        raise RuntimeError(f"cannot read the CUDA version of ptxas from {out!r}")
+    return int(found.group(1))
 
 
 # The Triton versions (major.minor, as ops.GPU_TESTED_TRITON) with which the Gluon kernels passed their GPU tests
