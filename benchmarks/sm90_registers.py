@@ -13,6 +13,13 @@ compile to byte accesses and nothing pipelines.
 though ptxas may lay a masked loop out as two overlapping ones), the instructions one warp issues per iteration
 by kind: the H200 runs showed these loops limited by their instruction streams rather than by the tensor cores
 or the MUFU (docs/kernels.md), so this count is the figure to lower.
+
+--operands (the Gluon dK/dV kernel, `--kernels hopper`) follows each query tile's registers through the SASS from
+its S^T and dP^T MMAs to the operands of its dV and dK MMAs (mma_operands) and checks them (check_dkdv_operands):
+dV's from S^T alone (P8), dK's from S^T and dP^T (dS8) or, with the pipelined dK MMA, from neither (the previous
+tile's dS8). ptxas of CUDA 13 fails this check on the pipelined variant (docs/kernels.md); --dkdv-pipe on compiles
+that variant (dkdv_hopper.pipe_mode 1) whatever launch.py would choose, --dkdv-pipe fresh the one with a fresh dP^T
+accumulator (2), --dkdv-pipe off neither.
 """
 
 import argparse
@@ -146,11 +153,12 @@ def usage(fn, constexprs, warps, stages, maxnreg=None):
         sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
                               capture_output=True, text=True).stdout
     # ptxas's own verdict on the wgmma pipeline: C7510-C7520 "wgmma.mma_async instructions are serialized due to
-    # ..." means it waits after every wgmma (Triton does not show ptxas's info lines)
+    # ..." means it waits after every wgmma (Triton does not show ptxas's info lines); the ptxas Triton ran (3.9:
+    # CUDA 13's ptxas-blackwell, whose PTX version the bundled CUDA 12 ptxas refuses)
     with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
         f.write(c.asm["ptx"])
         f.flush()
-        log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+        log = subprocess.run([KL.sm90_ptxas(), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
                              capture_output=True, text=True).stderr
     serialized = re.findall(r"serialized due to ([^']*?) in the function", log)
     regs = re.search(r"REG:(\d+)", res)
@@ -194,6 +202,93 @@ def loops(sass):
     return out
 
 
+def _operands(ins):
+    """(opcode, [operands]) of one SASS instruction (its predicate dropped), operands without .reuse/-/|x|."""
+    ins = re.sub(r"^@!?U?P\w+\s+", "", ins.strip())
+    op = ins.split()[0] if ins else ""
+    return op, [re.sub(r"\.reuse|^-|^\||\|$", "", a.strip()) for a in ins[len(op):].split(",") if a.strip()]
+
+
+def mma_operands(sass, chunks=2):
+    """[tile] of a Gluon dK/dV kernel's SASS (cuobjdump -sass, or usage()'s "sass"): from each MMA into a fresh
+    accumulator (C = RZ: S^T, dP^T) on, the register-A MMAs (P8 dO8, dS8 q8) of the tile, `chunks` k-steps per
+    accumulator (a 64-row query tile: two of k32). A tile is [(line, accumulator, A register, tags)]: the tags of
+    the values the A operand's four registers derive from: "M0", "M1".. the tile's fresh MMAs in issue order,
+    "old" a register defined before the tile's first MMA (a value carried into the tile), "mem" a load. Straight
+    data flow: branches are not followed (predicated instructions keep their old value's tags as well)."""
+    lines = [ln.split(";")[0].strip() for ln in sass.splitlines()]
+    lines = [re.sub(r"^/\*[0-9a-f]+\*/\s*", "", ln) for ln in lines]
+    tiles, i = [], 0
+    while i < len(lines):
+        op, args = _operands(lines[i])
+        if not (op.startswith(("QGMMA", "HGMMA")) and len(args) > 2 and args[1].startswith("gdesc")
+                and args[2] == "RZ"):
+            i += 1
+            continue
+        regs, fresh, tile = {}, 0, []
+        j = i
+        while j < len(lines) and len(tile) < 2 * chunks:
+            op, args = _operands(lines[j])
+            pred = lines[j].startswith("@")
+            if op.startswith(("QGMMA", "HGMMA")):
+                acc = int(args[0][1:])
+                if args[1].startswith("gdesc"):
+                    if args[2] == "RZ":  # a fresh accumulator: 64 x n / 128 threads values per thread
+                        n = int(re.search(r"64x(\d+)x", op).group(1))
+                        for k in range(n // 2):
+                            regs[f"R{acc + k}"] = frozenset([f"M{fresh}"])
+                        fresh += 1
+                else:
+                    a = int(args[1][1:])
+                    tags = frozenset().union(*(regs.get(f"R{a + r}", frozenset(["old"])) for r in range(4)))
+                    tile.append((j + 1, f"R{acc}", f"R{a}", tags))
+            elif args and re.fullmatch(r"R\d+", args[0]) and not op.startswith(
+                    ("ST", "BAR", "WARPGROUP", "SYNCS", "BRA", "RED", "ATOM")):
+                if op.startswith("LD"):
+                    src = frozenset(["mem"])
+                    width = 2 if ".64" in op else 4 if ".128" in op else 1
+                else:
+                    src = frozenset().union(*(regs.get(x, frozenset(["old"])) for x in args[1:]
+                                              if re.fullmatch(r"R\d+", x)))
+                    width = 2 if op.startswith(("IMAD.WIDE", "DADD", "DMUL", "DFMA")) else 1
+                if pred:
+                    src |= regs.get(args[0], frozenset(["old"]))
+                for w in range(width):
+                    regs[f"R{int(args[0][1:]) + w}"] = src
+            j += 1
+        if fresh >= 2 and len(tile) == 2 * chunks:
+            tiles.append(tile)
+        i = j if j > i else i + 1
+    return tiles
+
+
+def operand_kind(tags):
+    """What a register-A MMA of a dK/dV tile multiplies, from its operand's tags (mma_operands): "P8" (the tile's
+    S^T), "dS8" (its S^T and dP^T), "carried" (neither: a value from before the tile), or "wrong" (dP^T without
+    S^T, or a third MMA's result)."""
+    m = {t for t in tags if t.startswith("M")}
+    return {frozenset(): "carried", frozenset({"M0"}): "P8", frozenset({"M0", "M1"}): "dS8"}.get(frozenset(m), "wrong")
+
+
+def check_dkdv_operands(tiles, pipe):
+    """Problems (strings; none: the operands are right) of mma_operands' tiles of the dK/dV kernel: in every tile one
+    accumulator (dV) takes P8 in each k-step and the other (dK) dS8 in each, or with the pipelined dK MMA (`pipe`)
+    the previous tile's dS8 (carried)."""
+    if not tiles:
+        return ["no dK/dV tile found in the SASS"]
+    want = sorted(["P8", "carried" if pipe else "dS8"])
+    problems = []
+    for tile in tiles:
+        kinds = {}
+        for line, acc, a, tags in tile:
+            kinds.setdefault(acc, set()).add(operand_kind(tags))
+        got = sorted("/".join(sorted(k)) for k in kinds.values())
+        if got != want:
+            problems.append(f"tile at SASS line {tile[0][0]}: operands {got}, want {want}: "
+                            + "; ".join(f"{acc} += {a}{sorted(tags)}" for _, acc, a, tags in tile))
+    return problems
+
+
 def common(d, fp8, causal, groups=1):
     return dict(DQK=d, BLOCK_DQK=d, BLOCK_DV=d, CAUSAL=causal, HAS_WINDOW=False, VARLEN=False, FP8=fp8,
                 INTERP=False, GROUPS=groups)
@@ -212,6 +307,11 @@ def main():
                                   "<kernel>.sass / .ptx")
     p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
     p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
+    p.add_argument("--operands", action="store_true",
+                   help="the Gluon dK/dV kernel (hopper): check its MMAs' operands tile by tile (check_dkdv_operands)")
+    p.add_argument("--dkdv-pipe", choices=("on", "fresh", "off"),
+                   help="the Gluon dK/dV kernel's pipelined dK MMA (dkdv_hopper.pipe_mode 1), with a fresh dP^T "
+                        "accumulator (2), or off, whatever launch.py would choose")
     args = p.parse_args()
     fp8 = not args.bf16
     for var in args.variants.split(";"):
@@ -243,14 +343,19 @@ def main():
                                             TMA=KL._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
         }
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
-            from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
+            from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel, pipe_mode
+            if args.dkdv_pipe:  # launch refuses the pipelined MMA under some ptxas: decide it here instead
+                K.TUNE["dkdv_hopper_pipe"] = False
             cfg = KL._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen)
+            if args.dkdv_pipe:
+                cfg["pipe"], cfg["fresh_dp"] = args.dkdv_pipe != "off", args.dkdv_pipe == "fresh"
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                             STAGES=cfg["stages"], FOLD=cfg["fold"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
                                                             REGS=cfg["regs"],
                                                             PAIRS=cfg["pairs"], PEEL=cfg["peel"],
-                                                            AHEAD=cfg["ahead"], PIPE=cfg["pipe"]), 4, 1)
+                                                            AHEAD=cfg["ahead"],
+                                                            PIPE=pipe_mode(cfg["pipe"], cfg["fresh_dp"])), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             cfg = KL._dq_hopper_cfg(args.d, causal)
@@ -275,6 +380,14 @@ def main():
                 for ext in ("sass", "ptx"):
                     with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
                         f.write(u[ext])
+            if args.operands and name == "hopper":
+                tiles = mma_operands(u["sass"])
+                for tile in tiles:
+                    print(f"{'':46s} tile @{tile[0][0]}: " + ", ".join(
+                        f"{acc} += {operand_kind(tags)}" for _, acc, _, tags in tile), flush=True)
+                problems = check_dkdv_operands(tiles, jobs["hopper"][1]["PIPE"] > 0)
+                print(f"{'':46s} operands: " + ("ok" if not problems else "WRONG\n" + "\n".join(problems)),
+                      flush=True)
             if args.loops:
                 for lo, counts in u["loops"]:
                     print(f"{'':46s} loop @{lo:#07x}: " + " ".join(f"{k}={v}" for k, v in counts.items()), flush=True)

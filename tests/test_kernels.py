@@ -483,6 +483,65 @@ def test_gluon_kernels_by_head_dim(monkeypatch):
         assert not launch._dq_hopper(d, stale=True, **case)  # the Gluon dQ kernel has no stale delta
 
 
+def test_gluon_triton_version_gate(monkeypatch):
+    """The Gluon kernels run with a Triton of launch.GLUON_TRITON_VERSIONS only (the versions their GPU tests passed
+    with): with another, an otherwise Gluon case (sm_90, fp8) takes the Triton kernels and one warning per process
+    names the tested versions and HF_DELTAMATCH_GLUON=1, which runs them anyway; HF_DELTAMATCH_GLUON=0 keeps them
+    off; any other value is an error. The capability and device are faked: the gate is host logic."""
+    import types
+    import warnings
+
+    import triton
+
+    from hf_deltamatch.kernels import launch
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(launch, "_warned_gluon_version", False)
+    monkeypatch.delenv(launch.GLUON_ENV, raising=False)
+    case = dict(fp8=True, dqk=128, dv=128, block=128, varlen=False, window=None, n=1024, m=1024,
+                device=types.SimpleNamespace(type="cuda"))
+
+    def gluon():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bwd = dict(case, e4m3=True, lse2_in=True, p_shift=8)
+            got = (launch._fwd_hopper(128, **case), launch._dq_hopper(128, stale=False, **bwd),
+                   launch._dkdv_hopper(128, **bwd))
+        return got, [str(w.message) for w in caught]
+
+    monkeypatch.setattr(triton, "__version__", launch.GLUON_TRITON_VERSIONS[0] + ".0")
+    assert gluon() == ((True, True, True), [])
+    monkeypatch.setattr(triton, "__version__", "99.1.0")
+    got, msgs = gluon()
+    assert got == (False, False, False) and len(msgs) == 1, msgs
+    assert "99.1.0" in msgs[0] and launch.GLUON_TRITON_VERSIONS[0] in msgs[0] and "HF_DELTAMATCH_GLUON=1" in msgs[0]
+    assert gluon() == ((False, False, False), [])  # once per process
+    monkeypatch.setattr(triton, "__version__", launch.GLUON_TRITON_VERSIONS[0] + "0.1")  # major.minor, not a prefix
+    assert gluon() == ((False, False, False), [])
+    monkeypatch.setenv(launch.GLUON_ENV, "1")
+    assert gluon() == ((True, True, True), [])
+    monkeypatch.setattr(triton, "__version__", launch.GLUON_TRITON_VERSIONS[0] + ".0")
+    monkeypatch.setenv(launch.GLUON_ENV, "0")
+    assert gluon() == ((False, False, False), [])
+    monkeypatch.setenv(launch.GLUON_ENV, "yes")
+    with pytest.raises(ValueError, match="HF_DELTAMATCH_GLUON"):
+        launch._fwd_hopper(128, **case)
+    monkeypatch.delenv(launch.GLUON_ENV)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert gluon() == ((False, False, False), [])  # not sm_90: no Gluon kernel, no warning
+
+
+def test_sm90_ptxas_major_reads_the_version():
+    """launch._sm90_ptxas_major: the CUDA major version of the ptxas Triton runs for sm_90 (CUDA 12 with Triton 3.6
+    and 3.7, 13 with 3.9), which decides the dK/dV kernel's pipelined MMA (DKDV_HOPPER_PIPE)."""
+    from hf_deltamatch.kernels import launch
+    try:
+        major = launch._sm90_ptxas_major()
+    except (FileNotFoundError, RuntimeError) as e:
+        pytest.skip(f"this Triton install lacks a runnable ptxas: {e}")
+    assert major >= 12
+
+
 def test_dkdv_hopper_pairs_by_case():
     """The Gluon dK/dV kernel takes its query tiles in pairs (launch.DKDV_HOPPER_PAIRS) on dense batches, where
     that paid on the H200: with the full mask, GQA, and dense causal attention without GQA together with the
@@ -540,17 +599,33 @@ def test_dkdv_hopper_peel_and_ahead_by_case():
         K.TUNE.clear()
 
 
-def test_dkdv_hopper_pipe_by_case():
+@pytest.mark.parametrize("ptxas", [12, 13])
+def test_dkdv_hopper_pipe_by_case(monkeypatch, ptxas):
     """The dK/dV kernel's pipelined dK MMA (DKDV_HOPPER_PIPE, by MMA warpgroups): by default with two warpgroups
     (D=128) on dense batches without GQA, causal or not; never on packed batches, nor with three warpgroups (D=64)
     and GQA, where asking for it through TUNE is an error; TUNE may switch it on with GQA (two warpgroups) and with
-    three warpgroups without GQA."""
+    three warpgroups without GQA. Where Triton's sm_90 ptxas is CUDA 13 or later (it miscompiled the pipelined
+    MMA's operand) it is off by default, and TUNE switches on the form with a fresh dP^T accumulator (fresh_dp)."""
     from hf_deltamatch.kernels import launch
+    from hf_deltamatch.kernels.dkdv_hopper import pipe_mode
+    monkeypatch.setattr(launch, "_sm90_ptxas_major", lambda: ptxas)
+    if ptxas >= launch.DKDV_HOPPER_PIPE_PTXAS_BELOW:
+        for d, causal in ((128, True), (128, False), (64, True)):
+            cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=1, packed=False)
+            assert not cfg["pipe"] and not cfg["fresh_dp"] and pipe_mode(cfg["pipe"], cfg["fresh_dp"]) == 0
+        K.TUNE.update(dkdv_hopper_pipe=True)
+        try:
+            cfg = launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)
+            assert cfg["pipe"] and cfg["fresh_dp"] and pipe_mode(cfg["pipe"], cfg["fresh_dp"]) == 2
+        finally:
+            K.TUNE.clear()
+        return
     for d, causal, groups, packed in ((128, True, 1, False), (128, False, 1, False), (128, True, 4, False),
                                       (128, True, 1, True), (64, True, 1, False), (64, False, 1, False)):
         cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=groups, packed=packed)
         want = launch.DKDV_HOPPER_PIPE[cfg["warpgroups"]] and groups == 1 and not packed
-        assert cfg["pipe"] == want, (d, causal, groups, packed)
+        assert cfg["pipe"] == want and not cfg["fresh_dp"], (d, causal, groups, packed)
+        assert pipe_mode(cfg["pipe"], cfg["fresh_dp"]) == int(want)
     K.TUNE.update(dkdv_hopper_pipe=True)
     try:
         assert launch._dkdv_hopper_cfg(128, causal=True, groups=4, packed=False)["pipe"]

@@ -16,6 +16,15 @@ if torch.cuda.is_available():
     from hf_deltamatch.kernels import launch as KL, ops as KO
 
 
+def _skip_unless_gluon_triton():
+    """The Gluon kernels' tests run with a Triton of launch.GLUON_TRITON_VERSIONS, or any with HF_DELTAMATCH_GLUON=1
+    (benchmarks/triton_versions.sh)."""
+    if not KL._gluon_triton_ok(warn=False):
+        import triton
+        pytest.skip(f"Triton {triton.__version__} is not among launch.GLUON_TRITON_VERSIONS "
+                    f"{KL.GLUON_TRITON_VERSIONS}; HF_DELTAMATCH_GLUON=1 runs the Gluon kernels' tests on it")
+
+
 def _rel(a, b):
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -218,9 +227,7 @@ def test_dkdv_hopper_kernel(stages, fold, wgs64):
     and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
     order differs), causal and full, D 64 and 128, GQA; dQ is untouched. At D=64 with programs of two or three
     warpgroups (`wgs64`; three: 192 keys, which do not divide N at 1024 or 1280)."""
-    import triton
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    _skip_unless_gluon_triton()
     opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_fold=fold, dkdv_hopper_wgs=wgs64)
     K.TUNE.update(dkdv_hopper=True, dq_hopper=False, **opts)
     try:
@@ -271,9 +278,7 @@ def test_dq_hopper_kernel(stages, pingpong):
     the dK/dV kernel reads the delta, LSE2 and dS scales it writes), causal and full, D 64 and 128, GQA, pow2
     scales; the invariant at 8K (D=128) and 2K (D=64). `pingpong`: the warpgroups take turns to issue their
     MMAs (0 never, 1 S and dP, 2 every MMA)."""
-    import triton
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    _skip_unless_gluon_triton()
     opts = dict(dq_hopper_stages=stages, dq_hopper_pingpong=pingpong)
     K.TUNE.update(dq_hopper=True, dkdv_hopper=False, **opts)
     try:
@@ -302,9 +307,7 @@ def test_dkdv_hopper_loop_variants():
     peel and the loads ahead with three too).
     Not packed batches: pairs and the peel are refused there (odd query-tile counts break pairs). The differences
     are printed."""
-    import triton
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    _skip_unless_gluon_triton()
     pairs, peel, ahead = dict(dkdv_hopper_pairs=True), dict(dkdv_hopper_peel=True), dict(dkdv_hopper_ahead=True)
     causal_mha = [pairs, peel, ahead, {**pairs, **peel}, {**pairs, **ahead}, {**pairs, **peel, **ahead}]
     two, three = {64: (2, 240)}, {64: (3, 160)}  # D=64's MMA warpgroups (the last 192-key block of 1280 keys has
@@ -352,10 +355,10 @@ def test_dkdv_hopper_pipe():
     operations in the same order, so dQ, dK and dV are bit-identical. Two warpgroups (D=128): the full mask, with
     a ring of 4 stages too, and the causal mask (the diagonal's peel and pairs before and in the pipeline). Three
     (D=64, one head per group): causal with and without the peel (a warpgroup's tiles before its diagonal skipped
-    before its first), the full mask; N=1280 leaves the last program's third warpgroup past the keys."""
-    import triton
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    before its first), the full mask; N=1280 leaves the last program's third warpgroup past the keys. Where the sm_90
+    ptxas is CUDA 13+ (Triton 3.9) the piped loop is the form with a fresh dP^T accumulator (launch.DKDV_HOPPER_PIPE;
+    the other form's dK was wrong there)."""
+    _skip_unless_gluon_triton()
     three = dict(dkdv_hopper_wgs=(3, 160))
     for (B, Hq, Hkv, N, D, causal), opts in (((1, 4, 4, 1024, 128, False), {}),
                                              ((1, 4, 4, 1024, 128, False), dict(dkdv_hopper_stages=4)),
@@ -388,9 +391,7 @@ def test_dq_hopper_pipe():
     bit-identical. Dense causal MHA and GQA, the full mask, D 128 (with and without the ping-pong) and 64 (and 4
     ring stages), one key tile (only the MMA of zeros and the diagonal's), and packed batches (sequences of one
     key tile too)."""
-    import triton
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    _skip_unless_gluon_triton()
     cu = [0, 64, 64, 192, 1301, 2720]
     cases = [((2, 4, 4, 2048, 128, True), None, {}), ((2, 4, 2, 2048, 128, True), None, {}),
              ((1, 4, 4, 1024, 128, False), None, {}), ((2, 4, 4, 2048, 128, True), None, dict(dq_hopper_pingpong=0)),
@@ -484,9 +485,7 @@ def test_fwd_hopper_kernel(stages, wgs64, wgs128):
     reference (the same tolerances) and against _fwd_kernel on the same inputs (the same arithmetic): causal
     GQA and the full mask at D=128 and D=64, with programs of two or three warpgroups (`wgs64`, `wgs128`; three:
     192 queries, which do not divide N, so the last block's rows past N are masked)."""
-    import triton
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the Gluon kernel is written against Triton 3.6's Gluon API")
+    _skip_unless_gluon_triton()
     tune = dict(fwd_hopper=True, fwd_hopper_stages=stages, fwd_hopper_wgs={64: wgs64, 128: wgs128})
     K.TUNE.update(tune)
     try:

@@ -70,19 +70,21 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
     properties their speed on the H200 rests on (docs/kernels.md). Known exceptions with Triton 3.9: the
     three-warpgroup forward at D=128 spills (16 bytes dense, 136 packed), and the dK/dV kernel 48 bytes since its
     accumulator units carry a running max (with Triton 3.6 on the H200 its fwd+bwd time did not change:
-    benchmarks/results/2026-12-01-stress). 3.6 is the only Triton the Gluon kernels run with
-    (launch._hopper_case); the bounds keep the 3.9 spills from growing unseen."""
+    benchmarks/results/2026-12-01-stress). The Gluon kernels run with the Tritons of launch.GLUON_TRITON_VERSIONS
+    only; the bounds keep the 3.9 spills from growing unseen. The dK/dV kernel's MMA operands are checked tile by
+    tile (sm90_registers.check_dkdv_operands) with the options launch.py picks for this Triton's ptxas."""
     import triton
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd",
-                          *variant],
+                          "--operands", *variant],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     if res.returncode and "Cannot find" in res.stderr:
         pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     assert len(rows) == 3, res.stdout
+    assert "operands: ok" in res.stdout, res.stdout  # dK/dV's MMAs multiply the values they should
     for ln in rows:
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in ln and "wgmma serialized: no" in ln, ln
         spill = int(re.search(r"spill=(\d+)B", ln).group(1))
@@ -93,3 +95,65 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
             elif " hopper " in ln:  # dK/dV: the running max of its accumulator units (_fp8.acc_units), 48 B
                 allowed = 48
         assert spill <= allowed, ln
+
+
+def _tile_sass(dk_from):
+    """A dK/dV tile in SASS: S^T into R24.. and dP^T into R56.. (fresh MMAs), P8 packed from S^T into R8-R11 for
+    dV's MMA (R88), and dK's MMA (R120) from R16-R19, two k-steps each, R16-R19 packed from `dk_from`: "dS" (S^T
+    times dP^T minus a loaded delta), "carried" (registers from before the tile), "dP" (the dP^T accumulator alone:
+    what ptxas 13 made of the pipelined dK MMA)."""
+    src = {"dS": [f"FFMA R{60 + r}, R{56 + r}, R2, -R3\nFMUL R{60 + r}, R{26 + r}, R{60 + r}" for r in range(8)],
+           "carried": [f"FMUL R{60 + r}, R{160 + r}, R2" for r in range(8)],
+           "dP": [f"MOV R{60 + r}, R{56 + r}" for r in range(8)]}[dk_from]
+    lines = ["LDS.64 R2, [R17+0x100]",
+             "QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR8], RZ, !UPT",
+             "QGMMA.64x64x32.F32.E4M3.E4M3 R56, gdesc[UR12], RZ, !UPT, gsb0",
+             "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+             *[f"MUFU.EX2 R{24 + r}, R{24 + r}" for r in range(8)],
+             *[f"F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R{8 + r}, R{25 + 2 * r}, R{24 + 2 * r}, RZ"
+               for r in range(4)],
+             "QGMMA.64x64x32.F32.E4M3.E4M3 R88, R8, gdesc[UR16], R88",
+             "QGMMA.64x64x32.F32.E4M3.E4M3 R88, R8, gdesc[UR18], R88, gsb0",
+             *src,
+             *[f"F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C R{16 + r}, R{61 + 2 * r}, R{60 + 2 * r}, RZ"
+               for r in range(4)],
+             "QGMMA.64x64x32.F32.E4M3.E4M3 R120, R16, gdesc[UR20], R120",
+             "QGMMA.64x64x32.F32.E4M3.E4M3 R120, R16, gdesc[UR22], R120, gsb0",
+             "WARPGROUP.DEPBAR.LE gsb0, 0x0"]
+    return "\n".join(f"        /*{16 * i:04x}*/ {ln} ;" for i, ln in enumerate("\n".join(lines).splitlines()))
+
+
+def test_dkdv_operand_check_on_hand_written_tiles():
+    """check_dkdv_operands tells the tiles apart: dV's MMA from S^T alone (P8) and dK's from S^T and dP^T (dS8) is
+    the plain loop; dK's from registers carried into the tile is the pipelined one; dK's from the fresh dP^T
+    accumulator alone (the pipelined kernel as ptxas 13 compiled it) is wrong either way."""
+    mod = _load()
+    for dk_from, kinds, ok_plain, ok_pipe in (("dS", ["P8", "dS8"], True, False),
+                                               ("carried", ["P8", "carried"], False, True),
+                                               ("dP", ["P8", "wrong"], False, False)):
+        tiles = mod.mma_operands(_tile_sass(dk_from))
+        assert len(tiles) == 1 and sorted({mod.operand_kind(t[3]) for t in tiles[0]}) == kinds, (dk_from, tiles)
+        assert (not mod.check_dkdv_operands(tiles, pipe=False)) == ok_plain, dk_from
+        assert (not mod.check_dkdv_operands(tiles, pipe=True)) == ok_pipe, dk_from
+    assert mod.check_dkdv_operands([], pipe=False) == ["no dK/dV tile found in the SASS"]
+
+
+@pytest.mark.parametrize("form", ["on", "fresh"])
+def test_pipelined_dkdv_operands_by_ptxas(form):
+    """The dK/dV kernel's pipelined dK MMA (TUNE dkdv_hopper_pipe) compiled for sm_90 on the full mask at D=128 with
+    the installed Triton. Its first form (dP^T's MMA into the registers that carried dS^T) checks out with a CUDA 12
+    ptxas (Triton 3.6, 3.7) and not with CUDA 13's (Triton 3.9), which is why launch.py uses the second there (a
+    fresh dP^T accumulator), which checks out with both, and no serialized wgmma. Should a later ptxas compile the
+    first form right, this fails and launch.DKDV_HOPPER_PIPE_PTXAS_BELOW can go."""
+    from hf_deltamatch.kernels import launch
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--full", "--kernels", "hopper", "--operands",
+                          "--dkdv-pipe", form], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    if res.returncode and "Cannot find" in res.stderr:
+        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    broken = form == "on" and launch._sm90_ptxas_major() >= launch.DKDV_HOPPER_PIPE_PTXAS_BELOW
+    assert ("operands: WRONG" if broken else "operands: ok") in res.stdout, res.stdout
+    if form == "fresh":
+        assert "wgmma serialized: no" in res.stdout, res.stdout

@@ -94,13 +94,16 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     are loaded here, under the MMAs. RESCALE_DV False: the tile shares its dO8 quantization tile (128 rows) with
     the one this warpgroup did before it, so dv's rescale would multiply by c / c. PIPE: dp_acc comes in holding
     the previous tile's dS^T / sds (zeros before the first tile), whose dK MMA (with q8^T of stage s_prev) is
-    issued after this tile's S^T and dP^T and runs under its exponentials; this tile's goes back the same way."""
+    issued after this tile's S^T and dP^T and runs under its exponentials; this tile's goes back the same way. PIPE
+    2: the same with dP^T's MMA into a fresh accumulator rather than dp_acc's registers (pipe_mode)."""
     s_layout: gl.constexpr = s_acc.type.layout
     a_layout: gl.constexpr = fp8_a_layout(dk.type.layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     if PIPE:
         ds8_prev = fp8_operand(dp_acc, a_layout)
     s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
+    if PIPE == 2:  # a fresh accumulator: ptxas 13 moved half of the conversions above past an MMA into dp_acc
+        dp_acc = gl.zeros(dp_acc.shape, gl.float32, s_layout)
     dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
     if PIPE:  # dk is in the previous tile's units (c_dk) already
         dk = warpgroup_mma(ds8_prev, qt_smem.index(s_prev).permute((1, 0)), dk, is_async=True)
@@ -109,7 +112,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
         sdo_t = gl.load(SDO + row)
         sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
-    s_acc = warpgroup_mma_wait(1 + PIPE, deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
+    s_acc = warpgroup_mma_wait(1 + (PIPE > 0), deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
     # LSE2 and delta came with the tile (TMA) and are read where needed: per-thread loads of them, held
     # across the MMA waits, cost 32 registers and spills (the kernel 1.18x slower on the H200)
     lse2 = lse_smem.index(s).load(col_layout)
@@ -129,7 +132,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     c_dv = cv
     p8 = fp8_operand(p256, a_layout)
     dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
-    dp_acc = warpgroup_mma_wait(1 + PIPE, deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
+    dp_acc = warpgroup_mma_wait(1 + (PIPE > 0), deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
     # dk is kept in units of the last tile's sds * sq (or of _fp8.acc_units' floor), the tile quantized at
     # sq / units: r takes dst = dS^T * 256 to dS^T / sds
     uk, ck_max = acc_units(sds * sq_t, ck_max)
@@ -447,15 +450,22 @@ def _bwd_dkdv_hopper_kernel(
         ], [4, 4, 1], [REGS, REGS, 24])
 
 
+def pipe_mode(pipe, fresh_dp):
+    """The kernel's PIPE: 0 no pipelined dK MMA; 1 pipelined, dP^T's MMA into the registers that carried the previous
+    tile's dS^T (converted to fp8 just before: no extra register); 2 pipelined, dP^T's MMA into a fresh accumulator
+    (`fresh_dp`: a zero fill per tile), which ptxas of CUDA 13 needs (launch.DKDV_HOPPER_PIPE)."""
+    return (2 if fresh_dp else 1) if pipe else 0
+
+
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
                 dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, pairs, peel, ahead,
-                pipe=False, segments=None):
+                pipe=False, fresh_dp=False, segments=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's tiles
     before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile ahead, required
     with GQA; `pipe`: each tile's dK MMA issued with the next tile's S^T and dP^T, dense batches only, and with
-    three warpgroups one head per group).
+    three warpgroups one head per group; `fresh_dp`: with `pipe`, dP^T's MMA into a fresh accumulator, pipe_mode).
     segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
@@ -467,6 +477,7 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead), PIPE=bool(pipe),
+        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead),
+        PIPE=pipe_mode(pipe, fresh_dp),
         num_warps=4,
     )

@@ -3,6 +3,12 @@ waits, scale reads, and the Gluon kernels' options. Each default is the faster c
 Triton 3.6 (docs/kernels.md has the measurements); TUNE overrides any of them for tuning runs.
 """
 
+import functools
+import os
+import re
+import subprocess
+import warnings
+
 from ._fp8 import INTERPRET
 
 # Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py --variants, benchmarks/sm90_registers.py),
@@ -182,7 +188,14 @@ DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
 # With two warpgroups on dense batches without GQA, each tile's dK MMA issued with the next tile's S^T and dP^T MMAs,
 # to run under that tile's exponentials (dQ, dK, dV bit-identical): 0.89x the time on the full mask, 0.92x causal;
 # not with GQA (1.02x, spills), nor with three warpgroups (1.08x causal, 1.27x full).
+# Not by default with a ptxas of CUDA 13 or later (Triton 3.9 assembles sm_90 with its CUDA 13.4 `ptxas-blackwell`,
+# 3.6 and 3.7 with CUDA 12.8's `ptxas`: _sm90_ptxas_major): that ptxas moved half of the fp8 conversions of the
+# carried dS^T past the dP^T MMA that reuses their registers as its accumulator, so dK's MMA read the new tile's dP^T
+# (dK wrong by 16x-1e6x on the H200), and serialized every wgmma (docs/kernels.md, "ptxas 13 and the pipelined dK
+# MMA"). There TUNE may still switch it on, with dP^T's MMA into a fresh accumulator (dkdv_hopper.pipe_mode 2: right
+# operands, no serialized wgmma, 120-144 bytes of spills at D=128; untimed).
 DKDV_HOPPER_PIPE = {2: True, 3: False}  # by MMA warpgroups
+DKDV_HOPPER_PIPE_PTXAS_BELOW = 13
 DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
@@ -208,21 +221,69 @@ DQ_HOPPER_WARPGROUPS = 2
 HOPPER_PACKED = True
 
 
+def sm90_ptxas() -> str:
+    """The path of the ptxas that Triton runs for sm_90 (its bundled one, or TRITON_PTXAS_PATH /
+    TRITON_PTXAS_BLACKWELL_PATH)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    return get_ptxas(90).path
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_ptxas_major() -> int:
+    """The CUDA major version of sm90_ptxas()."""
+    out = subprocess.run([sm90_ptxas(), "--version"], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"release (\d+)\.", out)
+    if not found:
+        raise RuntimeError(f"cannot read the CUDA version of ptxas from {out!r}")
+    return int(found.group(1))
+
+
+# The Triton versions (major.minor, as ops.GPU_TESTED_TRITON) with which the Gluon kernels passed their GPU tests
+# (tests/test_kernels_gpu.py); with any other the Triton kernels run instead (_gluon_triton_ok), unless
+# HF_DELTAMATCH_GLUON=1. A version joins only after those tests pass with it on the H200
+# (benchmarks/triton_versions.sh).
+GLUON_TRITON_VERSIONS = ("3.6",)
+GLUON_ENV = "HF_DELTAMATCH_GLUON"
+_warned_gluon_version = False
+
+
+def _gluon_triton_ok(warn: bool = True) -> bool:
+    """Whether the installed Triton may run the Gluon kernels: a version of GLUON_TRITON_VERSIONS, or any with
+    HF_DELTAMATCH_GLUON=1 (for testing an untested version); otherwise (and with `warn`) a warning, once per
+    process, says which versions are tested and how to get the Gluon kernels. HF_DELTAMATCH_GLUON=0 keeps them off
+    everywhere."""
+    global _warned_gluon_version
+    import triton
+    want = os.environ.get(GLUON_ENV, "")
+    if want not in ("", "0", "1"):
+        raise ValueError(f"{GLUON_ENV}={want!r}: use 1 (the Gluon kernels on any Triton version) or 0 (never)")
+    if want:
+        return want == "1"
+    if ".".join(triton.__version__.split(".")[:2]) in GLUON_TRITON_VERSIONS:
+        return True
+    if warn and not _warned_gluon_version:
+        _warned_gluon_version = True
+        warnings.warn(f"hf_deltamatch: the Gluon (sm_90) kernels are tested with Triton "
+                      f"{', '.join(v + '.x' for v in GLUON_TRITON_VERSIONS)}, not {triton.__version__}: the plain "
+                      f"Triton kernels run instead (slower). Install a tested Triton for the fast path, or set "
+                      f"{GLUON_ENV}=1 to run the Gluon kernels on this version anyway.", RuntimeWarning, stacklevel=3)
+    return False
+
+
 def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
                  device, lse2_in: bool, p_shift: int, packed: bool = False) -> bool:
     """Whether the input is the Gluon kernels' case: fp8 e4m3, Dqk = Dv in 64/128, block 128, no window, N = M a
     multiple of 128 or a packed batch they take (packed: varlen, causal, cu_seqlens_q = cu_seqlens_k, B = 1; and
-    HOPPER_PACKED or TUNE["hopper_packed"]), an sm_90 GPU, Triton 3.6 (the version their GPU tests pass with; with
-    3.9 they compile and run, but the dK/dV kernel's dK is wrong), the dQ kernel's LSE2 with P * 256."""
+    HOPPER_PACKED or TUNE["hopper_packed"]), an sm_90 GPU, a tested Triton (_gluon_triton_ok), the dQ kernel's
+    LSE2 with P * 256."""
     if INTERPRET:
         return False
     import torch
-    import triton
     shape_ok = (packed and bool(TUNE.get("hopper_packed", HOPPER_PACKED))) if varlen else (
         n == m and n > 0 and n % 128 == 0)
     return (fp8 and e4m3 and dqk == dv and dqk in (64, 128) and block == 128 and window is None and shape_ok
             and lse2_in and p_shift == 8 and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) == (9, 0) and triton.__version__.startswith("3.6"))
+            and torch.cuda.get_device_capability(device) == (9, 0) and _gluon_triton_ok())
 
 
 # Head dims at which the forward comes from fwd_hopper's Gluon kernel where it applies (_hopper_case): 0.95-0.98x
@@ -288,13 +349,14 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
     DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a tile ahead always
     with GQA (the loop counts the group's heads that way), else by default on dense batches by warpgroups
-    (DKDV_HOPPER_AHEAD)."""
+    (DKDV_HOPPER_AHEAD); the pipelined dK MMA with a fresh dP^T accumulator (fresh_dp) under ptxas 13+."""
     wgs = _warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS)
     n = wgs["warpgroups"]
     peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n)
     pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2
     ahead = groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD[n] and not packed))
-    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE[n] and groups == 1))
+    fresh_dp = _sm90_ptxas_major() >= DKDV_HOPPER_PIPE_PTXAS_BELOW
+    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE[n] and groups == 1 and not fresh_dp))
     if pipe and (packed or (n == 3 and groups > 1)):
         if "dkdv_hopper_pipe" in TUNE:
             raise ValueError("dkdv_hopper_pipe: dense batches only, and with three MMA warpgroups (dkdv_hopper_wgs) "
@@ -302,7 +364,7 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
         pipe = False
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
                 fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)), pairs=pairs, peel=peel, ahead=ahead,
-                pipe=pipe, **wgs)
+                pipe=pipe, fresh_dp=pipe and fresh_dp, **wgs)
 
 
 def _fwd_hopper_cfg(d: int) -> dict:

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The Gluon (sm_90) kernels on the Triton found first on PYTHONPATH, in one call on the GPU machine: before a
+# version joins launch.GLUON_TRITON_VERSIONS, its GPU tests must pass and its times be recorded.
+#
+#   PYTHONPATH=/path/to/triton-3.9:$PYTHONPATH bash benchmarks/triton_versions.sh "$OUT"
+#
+# HF_DELTAMATCH_GLUON=1 is set throughout, so the Gluon kernels run on any version (launch._gluon_triton_ok).
+# Writes under OUT:
+#   versions.txt       triton, torch, the sm_90 ptxas (its CUDA release decides the dK/dV kernel's pipelined MMA:
+#                      launch.DKDV_HOPPER_PIPE_PTXAS_BELOW) and the GPU
+#   operands.log       benchmarks/sm90_registers.py --operands for the dK/dV kernel's default configs (D=128 causal
+#                      and full, D=64 causal and full) and the pipelined MMA forced on (D=128 full): compile-time,
+#                      "operands: ok" or WRONG per config
+#   pytest-gluon.log   pytest -m gpu tests/test_kernels_gpu.py -k "hopper" (the Gluon kernels' GPU tests)
+#   attention-*.json/.md, attention-progress.log
+#                      benchmarks/attention.py on 8K causal/full at D=128 and D=64, fp8-matching vs SDPA cuDNN
+# Budget ~10 min on one H200 (env-overridable, seconds): TV_TOTAL (default 590) for the whole script,
+# TV_PYTEST_TIMEOUT (default 330) for the tests; TV_PYTEST_ARGS replaces the -k selection (e.g. "-k dkdv_hopper");
+# TV_SHAPES (default n8192c,n8192f,d64,B2-H32-KV32-N8192-D64-full) and TV_OPS (default dm-fp8-matching,sdpa-cudnn)
+# for the benchmark; PYTHON (default python3).
+# Exit status: the benchmark's if it failed, else pytest's.
+set -u
+
+OUT="${1:-${OUT:-}}"
+if [ -z "$OUT" ]; then
+    echo "usage: PYTHONPATH=/path/to/triton:\$PYTHONPATH bash benchmarks/triton_versions.sh OUT_DIR" >&2
+    exit 2
+fi
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.."  # repository root: tests and the package import from here
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+export HF_DELTAMATCH_GLUON=1
+
+PYTHON="${PYTHON:-python3}"
+TOTAL="${TV_TOTAL:-590}"
+PYTEST_TIMEOUT="${TV_PYTEST_TIMEOUT:-330}"
+SHAPES="${TV_SHAPES:-n8192c,n8192f,d64,B2-H32-KV32-N8192-D64-full}"
+OPS="${TV_OPS:-dm-fp8-matching,sdpa-cudnn}"
+started=$(date +%s)
+
+# 0. What runs: a Triton from the wrong place would make every result below about another version.
+"$PYTHON" - > "$OUT/versions.txt" 2>&1 <<'EOF'
+import subprocess, torch, triton
+from hf_deltamatch.kernels import launch
+print("triton", triton.__version__, triton.__file__)
+print("torch", torch.__version__, "cuda", torch.version.cuda)
+print("sm_90 ptxas", launch.sm90_ptxas(), "CUDA major", launch._sm90_ptxas_major())
+print(subprocess.run([launch.sm90_ptxas(), "--version"], capture_output=True, text=True).stdout.strip())
+print("pipelined dK MMA by default:", launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)["pipe"])
+print("gpu", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+EOF
+cat "$OUT/versions.txt"
+
+# 1. Compile-time check of the dK/dV kernel's MMA operands (no GPU time; a few seconds per config on 16 cores).
+: > "$OUT/operands.log"
+for args in "--d 128" "--d 128 --full" "--d 64" "--d 64 --full" "--d 128 --full --dkdv-pipe on"; do
+    echo "== sm90_registers.py --kernels hopper --operands $args" >> "$OUT/operands.log"
+    # shellcheck disable=SC2086  # $args is meant to split into arguments
+    "$PYTHON" benchmarks/sm90_registers.py --kernels hopper --operands $args >> "$OUT/operands.log" 2>&1
+done
+echo "== operand checks (operands.log) =="
+grep -E "^== |operands: " "$OUT/operands.log"
+
+# 2. The Gluon kernels' GPU tests.
+# shellcheck disable=SC2086  # TV_PYTEST_ARGS is meant to split into arguments
+timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest -m gpu tests/test_kernels_gpu.py -q -p no:cacheprovider -rs \
+    ${TV_PYTEST_ARGS:--k hopper} > "$OUT/pytest-gluon.log" 2>&1
+pytest_rc=$?
+case $pytest_rc in
+    0) pytest_status="passed" ;;
+    124) pytest_status="TIMED OUT after ${PYTEST_TIMEOUT} s" ;;
+    *) pytest_status="FAILED (rc=$pytest_rc)" ;;
+esac
+echo "== pytest -m gpu tests/test_kernels_gpu.py: $pytest_status ($(( $(date +%s) - started )) s) =="
+grep -E "^(ERRS|GLUON vs|DKDV PIPE)|passed|failed|SKIPPED|Error" "$OUT/pytest-gluon.log" | tail -n 40
+
+# 3. The benchmark on the shapes the Gluon kernels serve, in what is left of the budget.
+BENCH_TIMEOUT=$(( TOTAL - ($(date +%s) - started) ))
+if [ "$BENCH_TIMEOUT" -lt 90 ]; then
+    echo "== benchmark skipped: ${BENCH_TIMEOUT} s left; run benchmarks/attention.py --shapes $SHAPES in a call of its own =="
+    exit "$pytest_rc"
+fi
+timeout "$BENCH_TIMEOUT" "$PYTHON" benchmarks/attention.py --out "$OUT" --shapes "$SHAPES" --ops "$OPS" \
+    --time-budget $(( BENCH_TIMEOUT - 60 )) > "$OUT/attention-stdout.md" 2> "$OUT/attention-progress.log"
+bench_rc=$?
+echo "== benchmark: rc=$bench_rc; total $(( $(date +%s) - started )) s =="
+grep -v '^\[' "$OUT/attention-progress.log" | tail -n 15
+cat "$OUT/attention-stdout.md"
+rm -f "$OUT/attention-stdout.md"
+if [ "$bench_rc" -ne 0 ]; then
+    exit "$bench_rc"
+fi
+exit "$pytest_rc"
