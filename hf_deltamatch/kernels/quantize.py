@@ -83,7 +83,8 @@ def _quantize_kernel(
                 seq = pid_s
             mean = tl.load(MEAN + (pid_bh.to(tl.int64) * NMEAN + seq) * D + cols, mask=cols < D,
                            other=0.0).to(tl.float32)
-        x = transform_rows(x, mask, cols, mean[None, :], R, D, 1, D, BLOCK_D, X.dtype.element_ty, CENTER, ROTATE, INTERP)
+        x = transform_rows(x, mask, cols, mean[None, :], R, D, 1, D, BLOCK_D, X.dtype.element_ty, CENTER, ROTATE,
+                           INTERP)
     # docs/numerics.md "Non-finite inputs": the scale comes from the finite values (one inf would zero its tile-mates),
     # and a non-finite value is stored as NaN (FP8 e4m3 has no inf; the GPU's satfinite cast would make inf 448).
     # The GPU's max skips NaN (max.f32); an inf is rare, so its tile alone takes a second reduction, and x * 0 (NaN
