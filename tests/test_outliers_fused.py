@@ -307,3 +307,21 @@ def test_fused_transforms_on_the_gpu(packed):
         # accumulation on scores ~10x gaussian ones)
         assert rel(a, b.double()) <= 4e-2, name
         assert rel(a, e) < (BOUND["fp8"][0] if name == "out" else BOUND["fp8"][1]), name
+
+
+def test_torch_compile_traces_the_fused_path():
+    """Under torch.compile the custom op takes the transforms as tensor arguments: no graph break, the eager
+    result bit for bit."""
+    q, k, v, do = make(1, 2, 1, 64, 64, 32, 32)
+    cfg = DeltaMatchConfig(backend="triton", qk_rotation="hadamard", smooth_k=True)
+    eager = run_op(q, k, v, do, cfg, causal=True)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def f(q, k, v):
+        return deltamatch_attention(q, k, v, config=cfg, causal=True)
+
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = f(qq, kk, vv)
+    out.backward(do)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), eager, (out, qq.grad, kk.grad, vv.grad)):
+        assert torch.equal(a, b), name
