@@ -176,7 +176,7 @@ def fused_args(q, k, rotation: str = "none", smooth_k: bool = False, cu_seqlens_
         r_q, r_k = rotation_matrices(q.shape[-1], q.device, q.dtype)
     if not smooth_k:
         return r_q, r_k, None, None
-    means = key_means(k, cu_seqlens_k)
+    means = key_means(k.detach(), cu_seqlens_k)  # constants to the op: its backward centers dk' itself
     return r_q, r_k, means, _rotated_means(means, r_k)
 
 
