@@ -2,6 +2,8 @@
 """Registers and spills of the kernels compiled for sm_90 (H100/H200), on any machine: no GPU needed.
 
   python benchmarks/sm90_registers.py [--kernels fwd,dq,dkdv] [--d 128] [--variants "{'fwd': (128, 4, 3)}"] [--loops]
+  python benchmarks/sm90_registers.py --kernels quantize,quantize_rotate,quantize_center,quantize_both,center_rotate
+                                      # the q/k quantization pass without / with the fused outlier transforms
 
 Compiles with `triton.compile` for target cuda:90 and reads the cubin's resource usage with the cuobjdump that
 ships inside triton. Spills are the first thing to look at before spending GPU time on a launch config: a
@@ -37,6 +39,8 @@ from hf_deltamatch import kernels as K
 from hf_deltamatch.kernels import launch as KL, ops as KO
 from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from hf_deltamatch.kernels.forward import _fwd_kernel
+from hf_deltamatch.kernels.quantize import _quantize_kernel
+from hf_deltamatch.kernels.transform import _center_rotate_kernel
 
 FP32_PTRS = {"SQ", "SK", "SV", "SDO", "LSE", "DELTA", "LSE2", "RS", "RA", "DSS"}
 I32_PTRS = {"CUQ", "CUK"}
@@ -131,8 +135,24 @@ def gluon_signature(fn, constexprs, d):
     return sig, attrs
 
 
+def pass_signature(fn):
+    """(signature, attrs) of the quantization pass or the transforms' backward pass (kernels/quantize.py,
+    kernels/transform.py) on bf16 input: fp8 outputs, fp32 scales, int32 sequence arrays; the head-dim strides 1."""
+    kinds = {"X": "*bf16", "R": "*bf16", "MEAN": "*bf16", "Y": "*fp8e4nv", "YT": "*fp8e4nv", "PY": "*fp8e4nv",
+             "PYT": "*fp8e4nv", "S": "*fp32", "PS": "*fp32", "CU": "*i32", "SEQ": "*i32"}
+    sig = {a: kinds.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if sig[a][0] == "*" or a in ("N", "sxb", "sxh", "sxn", "syb", "syh", "syn")}
+    return sig, {a for a in fn.arg_names if a in ("sxd", "syd", "std")}, attrs
+
+
 def usage(fn, constexprs, warps, stages, maxnreg=None):
-    if fn.__name__.endswith("_hopper_kernel"):
+    if fn in (_quantize_kernel, _center_rotate_kernel):
+        sig, unit, attrs = pass_signature(fn)
+        sig.update({a: "constexpr" for a in constexprs})
+        sig.update({a: "constexpr" for a in unit})
+        src = ASTSource(fn=fn, signature=sig, constexprs={**constexprs, **{a: 1 for a in unit}}, attrs=attrs)
+    elif fn.__name__.endswith("_hopper_kernel"):
         from triton.experimental.gluon._runtime import GluonASTSource
         sig, attrs = gluon_signature(fn, constexprs, constexprs["HEAD_D"])
         src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -342,6 +362,18 @@ def main():
                                             BLOCK_N=kv_n, DS_K=args.block,
                                             TMA=KL._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
         }
+        # the q/k quantization pass of a dense batch (row-major copy and scales), plain and with the fused outlier
+        # transforms (kernels/transform.py), with the launcher's warps; the transforms' backward pass over dk
+        bd = 1 << (args.d - 1).bit_length()
+        quant = dict(D=args.d, BLOCK_T=args.block, BLOCK_D=bd, FMAX=448.0, E5M2=False, POW2=False, WRITE_Y=True,
+                     WRITE_YT=False, VARLEN=False, INTERP=False, K_ORDER=False, TILES=False, WRITE_S=True,
+                     WRITE_PY=False, WRITE_PYT=False)
+        for name, center, rotate in (("quantize", False, False), ("quantize_rotate", False, True),
+                                     ("quantize_center", True, False), ("quantize_both", True, True)):
+            jobs[name] = (_quantize_kernel, dict(quant, CENTER=center, ROTATE=rotate),
+                          8 if args.d > 128 or rotate else 4, 1)
+        jobs["center_rotate"] = (_center_rotate_kernel, dict(D=args.d, BLOCK_T=64, BLOCK_D=bd, VARLEN=False,
+                                                             ROTATE=True, INTERP=False), 4, 1)
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel, pipe_mode
             if args.dkdv_pipe:  # launch refuses the pipelined MMA under some ptxas: decide it here instead
@@ -373,7 +405,8 @@ def main():
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, KL._maxnreg(name).get("maxnreg"))
             print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
-                  f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']} sass={u['sass_md5']}",
+                  f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']} sass={u['sass_md5']} "
+                  f"instructions={u['sass'].count(chr(10)) + 1}",
                   flush=True)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)

@@ -161,27 +161,34 @@ def _attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
     window: Optional[int], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     precision: str, delta: str, block: int, scale_rounding: str, grad_format: str, backend: str,
-    deterministic: bool, sinks: Optional[torch.Tensor] = None,
+    deterministic: bool, sinks: Optional[torch.Tensor] = None, r_q: Optional[torch.Tensor] = None,
+    r_k: Optional[torch.Tensor] = None, k_means: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     return _forward_impl(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, precision, delta, block,
-                         scale_rounding, grad_format, backend, deterministic, sinks)
+                         scale_rounding, grad_format, backend, deterministic, sinks, r_q, r_k, k_means)
 
 
 def _forward_impl(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, precision, delta, block,
-                  scale_rounding, grad_format, backend, deterministic, sinks=None):
+                  scale_rounding, grad_format, backend, deterministic, sinks=None, r_q=None, r_k=None, k_means=None):
+    """r_q, r_k, k_means: outliers.fused_args' transforms, which the fp8 Triton forward applies to q and k itself."""
     config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
+    fused = {"qk_transform": (r_q, r_k, k_means)} if _fused(r_q, r_k, k_means) else {}
     out, lse, *saved = _backend_module(backend).forward(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, config=config)
+        cu_seqlens_k=cu_seqlens_k, config=config, **fused)
     if sinks is not None:  # after the kernels: out and LSE of the softmax with the sink (docs/numerics.md)
         out, lse = reference.apply_sinks(out, lse, sinks)
     return (out, lse, *saved)
 
 
+def _fused(*transforms) -> bool:
+    return any(t is not None and t is not False for t in transforms)
+
+
 @_attention_forward.register_fake
 def _(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, precision, delta, block,
-      scale_rounding, grad_format, backend, deterministic, sinks=None):
+      scale_rounding, grad_format, backend, deterministic, sinks=None, r_q=None, r_k=None, k_means=None):
     B, Hq, N, _ = q.shape
     out = q.new_empty(B, Hq, N, v.shape[-1])
     lse = q.new_empty(B, Hq, N, dtype=torch.float32)
@@ -203,23 +210,29 @@ def _attention_backward(
     q_scale: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, causal: bool, softmax_scale: float,
     window: Optional[int], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     precision: str, delta: str, block: int, scale_rounding: str, grad_format: str, backend: str,
-    deterministic: bool, sinks: Optional[torch.Tensor] = None,
+    deterministic: bool, sinks: Optional[torch.Tensor] = None, r_q: Optional[torch.Tensor] = None,
+    r_k: Optional[torch.Tensor] = None, smooth_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
                           cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend,
-                          deterministic, sinks)
+                          deterministic, sinks, r_q, r_k, smooth_k)
 
 
 def _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
                    cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend,
-                   deterministic, sinks=None):
+                   deterministic, sinks=None, r_q=None, r_k=None, smooth_k=False):
     """(dq, dk, dv, d sinks): with sinks, lse (and out) are the sink-aware ones the forward returned, and d sinks
-    comes from the delta the backend formed dS with; without, d sinks is empty."""
+    comes from the delta the backend formed dS with; without, d sinks is empty. r_q, r_k, smooth_k: the transforms
+    the forward fused, whose backward maps the op's dq', dk' to dq, dk (kernels/transform.py)."""
     config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
     grads = _backend_module(backend).backward(
         do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal=causal, softmax_scale=softmax_scale,
         window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config,
         return_delta=sinks is not None)
+    if _fused(r_q, r_k, smooth_k):
+        from .kernels.transform import transform_grads
+
+        grads = (*transform_grads(grads[0], grads[1], r_q, r_k, smooth_k, cu_seqlens_k), *grads[2:])
     if sinks is None:
         return (*grads, lse.new_empty(0))
     dq, dk, dv, delta_rows = grads
@@ -229,7 +242,7 @@ def _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale,
 @_attention_backward.register_fake
 def _(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
       cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend, deterministic,
-      sinks=None):
+      sinks=None, r_q=None, r_k=None, smooth_k=False):
     qs, ks, vs = (q8, k8, v8) if precision == "fp8" else (q, k, v)
     dsinks = lse.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return (do.new_empty(qs.shape), do.new_empty(ks.shape), do.new_empty(vs.shape), dsinks)
@@ -246,6 +259,8 @@ def _setup_context(ctx, inputs, output):
     at = 3 + len(_NON_TENSOR_ARGS)
     sinks = inputs[at] if len(inputs) > at else None
     ctx.sinks_grad = sinks is not None and ctx.needs_input_grad[at]  # needs the backward's delta
+    r_q, r_k, k_means = (tuple(inputs[at + 1:at + 4]) + (None,) * 3)[:3]  # the fused transforms, if any
+    ctx.smooth_k = k_means is not None
     out, lse, q8, k8, v8, sq, sk, sv = output
     # Only `out` carries a gradient; backprop through lse would otherwise be dropped silently.
     ctx.mark_non_differentiable(lse, q8, k8, v8, sq, sk, sv)
@@ -255,7 +270,7 @@ def _setup_context(ctx, inputs, output):
     stale = ctx.args["delta"] == "stale"
     # fp8 mode keeps only the quantized operands (half the bytes of bf16 q/k/v); O only for stale delta.
     ctx.save_for_backward(None if fp8 else q, None if fp8 else k, None if fp8 else v, out if stale else None,
-                          lse, q8, k8, v8, sq, sk, sv, sinks if ctx.sinks_grad else None)
+                          lse, q8, k8, v8, sq, sk, sv, sinks if ctx.sinks_grad else None, r_q, r_k)
     ctx.check_call = debug.describe_call(
         q, k, v, causal=ctx.args["causal"], window=ctx.args["window"], cu_seqlens_q=ctx.args["cu_seqlens_q"],
         config=_config_from_args(**{a: ctx.args[a] for a in _CONFIG_ARGS})) if debug.enabled() else None
@@ -264,15 +279,16 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, *_unused_grads, backward_op=_attention_backward):
     if grad_out is None:  # out took no part in the loss (grads are not materialized)
         return (None,) * ctx.n_inputs
-    q, k, v, out, lse, q8, k8, v8, sq, sk, sv, sinks = ctx.saved_tensors
+    q, k, v, out, lse, q8, k8, v8, sq, sk, sv, sinks, r_q, r_k = ctx.saved_tensors
     a = ctx.args
     dq, dk, dv, dsinks = backward_op(
         grad_out.contiguous(), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, a["causal"], a["softmax_scale"],
         a["window"], a["cu_seqlens_q"], a["cu_seqlens_k"], a["precision"], a["delta"], a["block"],
-        a["scale_rounding"], a["grad_format"], a["backend"], a["deterministic"], sinks)
+        a["scale_rounding"], a["grad_format"], a["backend"], a["deterministic"], sinks, r_q, r_k, ctx.smooth_k)
     if getattr(ctx, "check_call", None) is not None:
         debug.check(ctx.check_call, "backward", {"dq": dq, "dk": dk, "dv": dv}, grad_out)
-    return ((dq, dk, dv) + (None,) * len(_NON_TENSOR_ARGS) + (dsinks if ctx.sinks_grad else None,))[:ctx.n_inputs]
+    return ((dq, dk, dv) + (None,) * len(_NON_TENSOR_ARGS) + (dsinks if ctx.sinks_grad else None,)
+            + (None,) * 3)[:ctx.n_inputs]
 
 
 torch.library.register_autograd("hf_deltamatch::attention_forward", _backward, setup_context=_setup_context)
@@ -354,21 +370,27 @@ def deltamatch_attention(
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
     key_means = None
     q_in, k_in = q, k
+    qk = ()
     if config.smooth_k and sinks is not None:
         # smoothing lowers query i's scores by softmax_scale * q_i . mean(k), a sink's logit would need the same
         raise ValueError("smooth_k=True is not supported with attention sinks (the sink logit would have to move "
                          "with each query's scores); use qk_rotation='hadamard' alone, or smooth_k=False.")
     if config.qk_rotation != "none" or config.smooth_k:  # exact pre-transforms against outlier channels
-        q, k, key_means = outliers.transform_qk(q, k, config.qk_rotation, config.smooth_k, cu_seqlens_k)
+        if backend == "triton" and config.precision == "fp8":  # applied by the quantization pass (kernels/transform.py)
+            *qk, key_means = outliers.fused_args(q, k, config.qk_rotation, config.smooth_k, cu_seqlens_k)
+        else:
+            q, k, key_means = outliers.transform_qk(q, k, config.qk_rotation, config.smooth_k, cu_seqlens_k)
     # torch.compile traces the custom op; eager calls take the same code without its dispatch (module docstring)
     op = _attention_forward if torch.compiler.is_compiling() else _EagerAttention.apply
     out, lse, *_ = op(
         q, k, v, bool(causal), float(softmax_scale), window, cu_seqlens_q, cu_seqlens_k, config.precision,
-        config.delta, config.block, config.scale_rounding, config.grad_format, backend, config.deterministic, sinks)
+        config.delta, config.block, config.scale_rounding, config.grad_format, backend, config.deterministic, sinks,
+        *qk)
     if debug.enabled():
         call = debug.describe_call(q_in, k_in, v, causal=causal, window=window, cu_seqlens_q=cu_seqlens_q,
                                    config=config)
         debug.check(call, "forward", {"out": out})
     if return_lse and key_means is not None:  # smoothing lowered every score of query i by the same amount
-        lse = lse + outliers.lse_shift(q, key_means, softmax_scale, cu_seqlens_q)
+        q_op = outliers.rotate_queries(q, qk[0]) if qk else q  # the q' the op's scores came from
+        lse = lse + outliers.lse_shift(q_op, key_means, softmax_scale, cu_seqlens_q)
     return (out, lse) if return_lse else out

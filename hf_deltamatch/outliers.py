@@ -7,8 +7,12 @@ Two transforms that leave attention unchanged in exact arithmetic, applied befor
                            power of two; q' k'^T = q k^T; backward dq = dq' R_q^T, dk = dk' R_k^T.
   smooth_k:                k' = k - mean_j k_j over the keys of each sequence (per batch row, KV head); query i's
                            scores all shift by q_i . mean, which softmax ignores; backward dk = dk' - mean_j dk'_j.
+Both: k' = C(k) R_k, dk = C(dk') R_k^T (C, the centering, acts on tokens and R on channels: they commute).
 The rotation is a matmul in the input dtype (fp32 accumulation, one rounding: its matrices are exact there); means
 are taken in fp32 and subtracted as input-dtype constants (one rounding).
+Here the transforms are torch ops around the op; the fp8 Triton path takes `fused_args`' matrices and means into its
+quantization pass instead (kernels/quantize.py) and applies `_TransformQK.backward`'s maps to the op's gradients
+(kernels/transform.py), with the same rounding points.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _sequence_of_tokens(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+def sequence_of_tokens(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
     """(n,) int64: the sequence each token belongs to, -1 for tokens outside every sequence."""
     cu = cu_seqlens.long()
     seq = torch.searchsorted(cu, torch.arange(n, device=cu.device), right=True) - 1
@@ -86,6 +90,12 @@ def _key_means(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor
     return sums / (cu[1:] - cu[:-1]).clamp_min(1).to(acc)[:, None]
 
 
+def key_means(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The means smoothing subtracts from x (B, H, M, D): per batch row, head and sequence, taken in fp32 and
+    rounded to x's dtype; (B, H, 1, D) for a dense batch, (B, H, nseq, D) for a packed one, contiguous."""
+    return _key_means(x, cu_seqlens).to(x.dtype).contiguous()
+
+
 def _per_token(means: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
     """Each token's sequence mean (0 for tokens outside every sequence); dense batches broadcast."""
     if seq is None:
@@ -96,19 +106,20 @@ def _per_token(means: torch.Tensor, seq: torch.Tensor | None) -> torch.Tensor:
 def _center(x: torch.Tensor, cu_seqlens: torch.Tensor | None, seq: torch.Tensor | None):
     """x minus its per-sequence means, rounded to x's dtype first (any constant is exact; one rounding of the
     difference), and those rounded means."""
-    means = _key_means(x, cu_seqlens).to(x.dtype)
+    means = key_means(x, cu_seqlens)
     return x - _per_token(means, seq), means
 
 
 class _TransformQK(torch.autograd.Function):
     """y = C(x) R; C centers the keys of each sequence (or is the identity), R is R_q or R_k (or the identity).
-    Its vector-Jacobian product is dx = C(dy R^T): C is an orthogonal projection (symmetric). The forward also
-    returns the subtracted means (no gradient)."""
+    Its vector-Jacobian product is dx = C(dy) R^T: C is an orthogonal projection (symmetric) and commutes with R;
+    centering first lets a fused backward take the means of dy before its one pass (kernels/transform.py). The
+    forward also returns the subtracted means (no gradient)."""
 
     @staticmethod
     def forward(ctx, x, r, center, cu_seqlens):
         ctx.r, ctx.center, ctx.cu_seqlens = r, center, cu_seqlens
-        ctx.seq = _sequence_of_tokens(cu_seqlens, x.shape[2]) if center and cu_seqlens is not None else None
+        ctx.seq = sequence_of_tokens(cu_seqlens, x.shape[2]) if center and cu_seqlens is not None else None
         y, means = x, x.new_empty(0)
         if center:
             y, means = _center(y, cu_seqlens, ctx.seq)
@@ -122,10 +133,10 @@ class _TransformQK(torch.autograd.Function):
         if dy is None:
             return None, None, None, None
         g = dy
-        if ctx.r is not None:
-            g = g @ ctx.r.T
         if ctx.center:
             g = _center(g, ctx.cu_seqlens, ctx.seq)[0]
+        if ctx.r is not None:
+            g = g @ ctx.r.T
         return g, None, None, None
 
 
@@ -145,8 +156,34 @@ def transform_qk(q, k, rotation: str = "none", smooth_k: bool = False, cu_seqlen
         k, means = _TransformQK.apply(k, r_k, smooth_k, cu_seqlens_k)
     if not smooth_k:
         return q, k, None
+    return q, k, _rotated_means(means, r_k)
+
+
+def _rotated_means(means, r_k):
+    """The subtracted means in the op's key space (mean R_k), fp32 (float64 for float64 inputs), for lse_shift."""
     means = means.to(_accumulate_dtype(means))
-    return q, k, means if r_k is None else means @ r_k.to(means.dtype)
+    return means if r_k is None else means @ r_k.to(means.dtype)
+
+
+def fused_args(q, k, rotation: str = "none", smooth_k: bool = False, cu_seqlens_k=None):
+    """transform_qk's transforms as a quantization pass applies them itself (kernels/quantize.py): (r_q, r_k,
+    k_means, key_means): R_q and R_k (D, D) in q's dtype or None, the means to subtract from k (key_means(k):
+    (B, Hkv, 1 or nseq, D) in k's dtype) or None, and transform_qk's third result (for lse_shift)."""
+    if rotation not in ROTATIONS:
+        raise ValueError(f"qk_rotation={rotation!r} is not supported; choose one of {list(ROTATIONS)}.")
+    r_q = r_k = None
+    if rotation == "hadamard":
+        r_q, r_k = rotation_matrices(q.shape[-1], q.device, q.dtype)
+    if not smooth_k:
+        return r_q, r_k, None, None
+    means = key_means(k.detach(), cu_seqlens_k)  # constants to the op: its backward centers dk' itself
+    return r_q, r_k, means, _rotated_means(means, r_k)
+
+
+def rotate_queries(q, r_q):
+    """q' = q R_q as transform_qk computes it (one rounding to q's dtype), without a gradient: for lse_shift where
+    the op took q and R_q apart."""
+    return q if r_q is None else q.detach() @ r_q
 
 
 @torch.no_grad()
@@ -158,6 +195,6 @@ def lse_shift(q: torch.Tensor, key_means: torch.Tensor, softmax_scale: float, cu
     hkv = key_means.shape[1]
     means = key_means.float()
     if cu_seqlens_q is not None:
-        means = _per_token(means, _sequence_of_tokens(cu_seqlens_q, N))
+        means = _per_token(means, sequence_of_tokens(cu_seqlens_q, N))
     qg = q.float().view(B, hkv, Hq // hkv, N, D)
     return (qg * means[:, :, None]).sum(-1).reshape(B, Hq, N) * softmax_scale

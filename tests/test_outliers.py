@@ -62,7 +62,7 @@ def test_rotation_spreads_an_outlier_channel():
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 def test_transforms_backward_is_exact_vjp(option, packed):
-    """gradcheck in float64: dq = dq' R^T, dk = C(dk' R^T), C the per-sequence centering (GQA: 4 q heads, 2 kv)."""
+    """gradcheck in float64: dq = dq' R^T, dk = C(dk') R^T, C the per-sequence centering (GQA: 4 q heads, 2 kv)."""
     opts = OPTIONS[option]
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2 if not packed else 1, 4, 7, 48, generator=g, dtype=torch.float64, requires_grad=True)

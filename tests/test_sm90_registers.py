@@ -157,3 +157,23 @@ def test_pipelined_dkdv_operands_by_ptxas(form):
     assert ("operands: WRONG" if broken else "operands: ok") in res.stdout, res.stdout
     if form == "fresh":
         assert "wgmma serialized: no" in res.stdout, res.stdout
+
+
+def test_quantization_pass_with_the_outlier_transforms_compiles_for_sm90():
+    """The q/k quantization pass with the fused outlier transforms (kernels/quantize.py, kernels/transform.py) at
+    D=128: the rotation on the tensor cores (a bf16 wgmma), no spills, and each variant's instruction count
+    printed for docs/numerics.md's cost account."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    kinds = ["quantize", "quantize_rotate", "quantize_center", "quantize_both", "center_rotate"]
+    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", ",".join(kinds)],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    if res.returncode and "Cannot find" in res.stderr:
+        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {ln.split()[1]: ln for ln in res.stdout.splitlines() if ln.startswith("{")}
+    assert sorted(rows) == sorted(kinds), res.stdout
+    for name, ln in rows.items():
+        assert "spill=0B" in ln and "instructions=" in ln, ln
+        rotates = name in ("quantize_rotate", "quantize_both", "center_rotate")
+        assert ("HGMMA.64x128x16.F32.BF16" in ln) == rotates, ln

@@ -182,7 +182,9 @@ def _s4(t):
     return t.stride() if t is not None else (0, 0, 0, 0)
 
 
-def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, config):
+def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, config, qk_transform=None):
+    """reference.forward's results. qk_transform (fp8 only): outliers.fused_args' (r_q, r_k, k_means), applied to
+    q and k by their quantization pass (the saved q8, k8 are those of q', k')."""
     B, Hq, N, dqk = q.shape
     _, Hkv, M, dv = v.shape
     fp8 = config.precision == "fp8"
@@ -190,6 +192,11 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dqk)
     varlen = cu_seqlens_q is not None
+    if qk_transform is not None and not fp8:
+        raise ValueError("qk_transform is applied by the fp8 quantization pass; with precision='bf16' transform q and "
+                         "k first (outliers.transform_qk).")
+    r_q, r_k, k_means = qk_transform if qk_transform is not None else (None, None, None)
+    qt, kt = dict(rotation=r_q), dict(rotation=r_k, means=k_means)
     _check_tune()
     if q.is_cuda and not INTERPRET:
         _warn_untested_triton()
@@ -206,12 +213,12 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         # a packed batch: quantized once into the packed tensors the backward keeps and into the padded layout
         # that the Gluon forward reads (segments.py; cu_seqlens_k is cu_seqlens_q there), its V token-major
         pw = dict(segments=seg, rounding=config.scale_rounding)
-        (q8, sq), (q8p, _, sqp) = quantize_padded(q, **pw)
-        (k8, sk), (k8p, _, skp) = quantize_padded(k, **pw)
+        (q8, sq), (q8p, _, sqp) = quantize_padded(q, **qt, **pw)
+        (k8, sk), (k8p, _, skp) = quantize_padded(k, **kt, **pw)
         (v8, sv), (_, v8tp, svp) = quantize_padded(v, row_major=False, token_major=True, **pw)
     elif fp8:
-        q8, _, sq = quantize(q, **qkw)
-        k8, _, sk = quantize(k, **kvw)
+        q8, _, sq = quantize(q, **qt, **qkw)
+        k8, _, sk = quantize(k, **kt, **kvw)
         # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
         v8, v8t, sv = quantize(v, transposed=True, k_order=hopper, **kvw)
         qa, ka, va = q8, k8, v8t  # the forward reads V token-major (K-major B operand of P8 @ V)

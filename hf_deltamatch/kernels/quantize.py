@@ -6,6 +6,9 @@ its sequence (varlen: from cu_seqlens[s]). One program per tile: load it, amax, 
   - yt a (B, H, N, D) view of (B, H, D, N) storage (tokens contiguous): the K-major operand of the FP8
     matmuls that contract over tokens (P @ V in the forward, P^T @ dO in the backward),
   - the per-token fp32 scale (B, H, N): every token carries its tile's scale.
+Optionally the tile is first transformed as hf_deltamatch.outliers defines q' and k' (docs/numerics.md, "Outlier
+channels"): its sequence's key mean subtracted (CENTER) and/or multiplied by a D x D rotation (ROTATE), each result
+rounded to the input dtype as the unfused transform rounds it, so the op pays no pass of its own over q and k.
 """
 
 import torch
@@ -13,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._fp8 import FP8_MAX, INTERPRET, tile_scale, to_fp8
+from .transform import transform_rows
 
 FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TAIL_ROWS = 128  # the most rows a kernel's TMA tile reads (a key tile; 64 or 128 queries)
@@ -34,16 +38,17 @@ def _k_order_source(k):
 
 @triton.jit
 def _quantize_kernel(
-    X, Y, YT, S, CU, PY, PYT, PS,
+    X, Y, YT, S, CU, PY, PYT, PS, R, MEAN, SEQ,
     sxb, sxh, sxn, sxd,
     syb, syh, syn, syd,
     stb, sth, stn, std,
-    H, N, NPAD,
+    H, N, NPAD, NMEAN,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr, VARLEN: tl.constexpr, INTERP: tl.constexpr,
     K_ORDER: tl.constexpr = False, TILES: tl.constexpr = False, WRITE_S: tl.constexpr = True,
     WRITE_PY: tl.constexpr = False, WRITE_PYT: tl.constexpr = False,
+    CENTER: tl.constexpr = False, ROTATE: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -69,6 +74,18 @@ def _quantize_kernel(
     mask = (src[:, None] < end) & (cols[None, :] < D)
     x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
                 mask=mask, other=0.0).to(tl.float32)
+    if CENTER or ROTATE:  # MEAN (B, H, NMEAN, D) contiguous: row 0 (dense), the sequence (varlen), SEQ's (tiles)
+        mean = tl.zeros([BLOCK_D], tl.float32)
+        if CENTER:
+            seq = 0
+            if TILES:
+                seq = tl.load(SEQ + pid_t)
+            elif VARLEN:
+                seq = pid_s
+            mean = tl.load(MEAN + (pid_bh.to(tl.int64) * NMEAN + seq) * D + cols, mask=cols < D,
+                           other=0.0).to(tl.float32)
+        x = transform_rows(x, mask, cols, mean[None, :], R, D, 1, D, BLOCK_D, X.dtype.element_ty, CENTER, ROTATE,
+                           INTERP)
     # docs/numerics.md "Non-finite inputs": the scale comes from the finite values (one inf would zero its tile-mates),
     # and a non-finite value is stored as NaN (FP8 e4m3 has no inf; the GPU's satfinite cast would make inf 448).
     # The GPU's max skips NaN (max.f32); an inf is rare, so its tile alone takes a second reduction, and x * 0 (NaN
@@ -103,7 +120,7 @@ def _quantize_kernel(
 
 
 def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=None, row_major=True,
-             transposed=False, k_order=False, segments=None):
+             transposed=False, k_order=False, segments=None, rotation=None, means=None):
     """Quantize x (B, H, N, D) per `block`-token tile. Returns (y or None, yt or None, scale (B, H, N)).
 
     yt is a (B, H, N, D) view of a (B, H, D, N16) buffer (tokens contiguous, N rounded up to 16), written by the
@@ -113,11 +130,14 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
     segments: the packed batch's segments.Segments (block 128, cu_seqlens its cu): one program per tile of its
     sequences (Segments.tiles) instead of the longest sequence's tiles x the sequences, and only the rows outside
     every sequence filled beforehand.
+    rotation (D, D) and/or means (B, H, S, D), both in x's dtype: quantize outliers.py's transform of x instead,
+    (x - its sequence's mean) @ rotation (S = 1 for a dense batch, one mean per sequence of cu_seqlens).
     """
     if k_order and (cu_seqlens is not None or x.shape[2] % 32):
         raise ValueError("quantize(k_order=True) permutes groups of 32 tokens: no varlen, N a multiple of 32.")
     if transposed and not FUSED_TOKEN_MAJOR:
-        y, _, scale = quantize(x, block, fmt, rounding, cu_seqlens, max_len, row_major=True, segments=segments)
+        y, _, scale = quantize(x, block, fmt, rounding, cu_seqlens, max_len, row_major=True, segments=segments,
+                               rotation=rotation, means=means)
         return (y if row_major else None), token_major(y, k_order), scale
     B, H, N, D = x.shape
     dt = FP8_TORCH[fmt]
@@ -152,18 +172,20 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
     else:
         grid = (triton.cdiv(max(max_len if cu_seqlens is not None else N, 1), block), B * H, nseq)
     _launch(x, grid, block, fmt, rounding, y=y, yt=yt, scale=scale, cu=segments.tiles if tiled else cu_seqlens,
-            varlen=cu_seqlens is not None, tiles=tiled, k_order=k_order)
+            varlen=cu_seqlens is not None, tiles=tiled, k_order=k_order, rotation=rotation, means=means,
+            seq_cu=segments.cu if tiled else None)
     return y, yt, scale
 
 
-def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_major=True, token_major=False):
+def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_major=True, token_major=False,
+                    rotation=None, means=None):
     """Quantize a packed batch x (1, H, N, D) per 128-token tile of its sequences straight into segments.py's
     padded layout, where the Gluon kernels read it: the same bytes and scales as quantize(x, 128,
     cu_seqlens=segments.cu) followed by segments.pad (row_major) or token_major(k_order=True, src=segments.src)
     (token_major), without a second pass over the operand. Returns (y, scale), the packed tensors (the ones the
     backward keeps; (None, None) unless `packed`), and (py, pyt, ps): the padded row-major (1, H, npad, D) or
     None, token-major (a (1, H, npad, D) view of (1, H, D, npad) storage, tokens in k_order) or None, and the
-    per-row scales (1, H, npad), 1 in the rows of no token."""
+    per-row scales (1, H, npad), 1 in the rows of no token. rotation, means: as quantize's."""
     B, H, N, D = x.shape
     dt, npad = FP8_TORCH[fmt], segments.npad
     if segments.tiles.numel() * 64 != npad:
@@ -181,7 +203,8 @@ def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_m
     ps = torch.empty((B, H, npad), dtype=torch.float32, device=x.device)
     if npad and B * H:
         _launch(x, (npad // 128, B * H, 1), 128, fmt, rounding, y=y, scale=scale, cu=segments.tiles, varlen=True,
-                tiles=True, k_order=token_major, py=py, pyt=pyt, ps=ps)
+                tiles=True, k_order=token_major, py=py, pyt=pyt, ps=ps, rotation=rotation, means=means,
+                seq_cu=segments.cu)
     return (y, scale), (py, pyt, ps)
 
 
@@ -192,23 +215,43 @@ def _fill_outside(t, segments, value):
 
 
 def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=None, varlen=False, tiles=False,
-            k_order=False, py=None, pyt=None, ps=None):
-    """_quantize_kernel over `grid` writing the outputs given (None: not written; their pointers get a stand-in)."""
+            k_order=False, py=None, pyt=None, ps=None, rotation=None, means=None, seq_cu=None):
+    """_quantize_kernel over `grid` writing the outputs given (None: not written; their pointers get a stand-in).
+    tiles: seq_cu is the cu_seqlens whose sequence each listed tile's first row is looked up in (for `means`)."""
     B, H, N, D = x.shape
+    _check_transform(x, rotation, means, 1 if cu is None else (seq_cu if tiles else cu).numel() - 1)
+    seq = None
+    if means is not None and tiles:  # the sequence of each listed tile (CU: first rows, then ends)
+        seq = torch.searchsorted(seq_cu[1:], cu[:cu.numel() // 2], right=True).to(torch.int32)
     some = next(t for t in (y, yt, py, pyt) if t is not None)
     rows = scale if scale is not None else ps
     zeros = (0, 0, 0, 0)
     _quantize_kernel[grid](
         x, some if y is None else y, some if yt is None else yt, rows, cu,
         some if py is None else py, some if pyt is None else pyt, rows if ps is None else ps,
+        x if rotation is None else rotation, x if means is None else means, rows if seq is None else seq,
         *x.stride(), *(y.stride() if y is not None else zeros), *(yt.stride() if yt is not None else zeros),
-        H, N, ps.shape[2] if ps is not None else 0,
+        H, N, ps.shape[2] if ps is not None else 0, means.shape[2] if means is not None else 1,
         D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D),
         FMAX=FP8_MAX[fmt], E5M2=fmt == "e5m2", POW2=rounding == "pow2",
         WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=varlen, INTERP=INTERPRET,
         K_ORDER=bool(k_order), TILES=tiles, WRITE_S=scale is not None, WRITE_PY=py is not None,
-        WRITE_PYT=pyt is not None, num_warps=8 if D > 128 else 4,
+        WRITE_PYT=pyt is not None, CENTER=means is not None, ROTATE=rotation is not None,
+        # the rotation's fp32 product tile: 128 x 128 fp32 is 128 registers per thread with 4 warps
+        num_warps=8 if D > 128 or rotation is not None else 4,
     )
+
+
+def _check_transform(x, rotation, means, nseq):
+    """The rotation (D, D) and means (B, H, nseq or 1, D) quantize takes: contiguous, in x's dtype."""
+    B, H, _, D = x.shape
+    if rotation is not None and (rotation.shape != (D, D) or rotation.dtype != x.dtype
+                                 or not rotation.is_contiguous()):
+        raise ValueError(f"rotation must be a contiguous ({D}, {D}) {x.dtype} matrix (outliers.rotation_matrices), "
+                         f"got {tuple(rotation.shape)} {rotation.dtype}")
+    if means is not None and (means.shape != (B, H, nseq, D) or means.dtype != x.dtype or not means.is_contiguous()):
+        raise ValueError(f"means must be contiguous ({B}, {H}, {nseq}, {D}) {x.dtype} (outliers.key_means: one row "
+                         f"per sequence), got {tuple(means.shape)} {means.dtype}")
 
 
 @triton.jit
