@@ -112,3 +112,43 @@ def test_fla_matches_torch_and_float64_on_gpu(gdn, tmp_path):
     assert report["correctness"][1]["isolation"]["ok"]
     assert report["timing"][0]["fla_ms"] > 0
     assert rc == 0
+
+
+def test_gdn_backend_follows_transformers_dispatch():
+    from hf_deltamatch.training.modeling import gdn_backend
+
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+        expected = "fla"
+    except Exception:  # noqa: BLE001
+        expected = "torch"
+    assert gdn_backend() == expected
+
+
+@pytest.mark.parametrize("triton_version,tilelang,capability,refuses", [
+    ("3.6.0", False, (9, 0), True),
+    ("3.6.0", True, (9, 0), False),
+    ("3.7.1", False, (9, 0), False),
+    ("3.3.1", False, (9, 0), False),
+    ("3.6.0", False, (10, 0), False),
+], ids=["hopper-triton3.6", "with-tilelang", "triton3.7.1", "triton3.3", "blackwell"])
+def test_fla_hopper_backward_refusal(monkeypatch, triton_version, tilelang, capability, refuses):
+    """FLA 0.6 raises in the gated backward on Hopper for 3.4 <= Triton < 3.7.1 without tilelang (FLA #640):
+    the recipe warns before training starts. No Hopper here, so the environment is patched."""
+    import importlib.util
+
+    import triton
+
+    from hf_deltamatch.training import modeling
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(modeling, "fla_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if tilelang else None)
+                        if name == "tilelang" else real_find_spec(name, *a))
+    message = modeling.fla_hopper_backward_refusal()
+    assert (message is not None) == refuses
+    if refuses:
+        assert "tilelang" in message and "3.7.1" in message
