@@ -253,6 +253,9 @@ def run_one(spec: dict) -> dict:
     wrapped = CausalLMWithLoss(model, cfg.loss_chunk)
     optimizers = build_optimizers(wrapped, cfg)
     lm = causal_lm(model)
+    if device.type == "cpu" and layer_counts(lm.config)[1] and gdn_backend() == "fla":
+        raise SystemExit("transformers will call flash-linear-attention's Triton kernels, which need a CUDA GPU: "
+                         "run on the GPU, or on CPU in an environment without flash-linear-attention.")
     batch, doc_lens = random_batch(cfg, len(tokenizer), spec["docs_per_row"], cfg.seed, device)
     n_params = matmul_params(lm)
     flops = step_flops(lm.config, n_params, doc_lens, cfg.grad_accum)

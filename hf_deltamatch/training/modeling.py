@@ -233,17 +233,25 @@ def fla_hopper_backward_refusal() -> str | None:
     """Why FLA will refuse the gated delta rule's backward here, or None.
 
     FLA 0.6 raises in that backward on Hopper with 3.4 <= Triton < 3.7.1 (wrong results, FLA issue #640)
-    unless tilelang is installed, and then uses its tilelang kernel for that piece."""
+    unless its tilelang kernel can take that piece (tilelang installed, an nvcc for tilelang's JIT)."""
     if not (fla_available() and torch.cuda.is_available()) or torch.cuda.get_device_capability() != (9, 0):
         return None
     import triton
 
     version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3] if x.isdigit())
-    if not (3, 4, 0) <= version < (3, 7, 1) or importlib.util.find_spec("tilelang") is not None:
+    if not (3, 4, 0) <= version < (3, 7, 1):
+        return None
+    try:  # FLA's own rule: tilelang importable, nvcc found, not disabled by FLA_TILELANG=0
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+        tilelang = CommonTileLangBackend.can_use()
+    except Exception:  # noqa: BLE001  (another FLA layout)
+        tilelang = importlib.util.find_spec("tilelang") is not None
+    if tilelang:
         return None
     return (f"flash-linear-attention will refuse the Gated DeltaNet backward on this Hopper GPU with Triton "
-            f"{triton.__version__} (FLA issue #640): install tilelang (pip install 'hf-deltamatch[hybrid-hopper]') "
-            f"or Triton >= 3.7.1.")
+            f"{triton.__version__} (FLA issue #640): install tilelang (pip install 'hf-deltamatch[hybrid-hopper]', "
+            f"plus a CUDA toolkit's nvcc for its JIT) or Triton >= 3.7.1.")
 
 
 def keep_linear_attention_documents_apart(model: nn.Module, force: bool = False) -> int:
