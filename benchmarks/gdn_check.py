@@ -313,7 +313,7 @@ def report_md(report) -> str:
         for pair, errs in case["errors"].items():
             lines.append(f"| {case['case']} | {pair.replace('_', ' ')} | "
                          + " | ".join(_fmt(errs.get(t)) for t in TENSORS) + " |")
-        for key in ("fla", "float64"):
+        for key in ("fla", "float64", "error"):
             if key in case:
                 lines.append(f"| {case['case']} | {key}: {case[key]} |" + " |" * len(TENSORS))
     lines += ["", "Packed rows: perturb the middle document, compare the others' output and gradients "
