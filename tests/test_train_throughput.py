@@ -70,6 +70,25 @@ def test_matmul_params_tied_and_untied(tp):
     assert tp.matmul_params(LM(tie=True)) == 50 * 8 + 8 * 8 + 8
 
 
+def test_dense_flops_match_torch_flop_counter(tp):
+    """6 * P * tokens against torch's FLOP counter on the tiny recipe's model (tied head): the linears'
+    aten.mm FLOPs of one forward+backward. P also holds norms and the depthwise conv (not mm): well under 1%."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_deltamatch.training.modeling import CausalLMWithLoss, build_model, causal_lm
+
+    cfg = tp.recipe_config(TINY, "sdpa", False, ["--batch_size", "2", "--seq_len", "128"])
+    tokenizer = tp.random_token_tokenizer(cfg.vocab_size)
+    model = build_model(cfg, tokenizer)
+    batch, doc_lens = tp.random_batch(cfg, len(tokenizer), 1, 0, torch.device("cpu"))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        CausalLMWithLoss(model, 0)(**batch)[0].backward()
+    mm = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    dense = tp.step_flops(causal_lm(model).config, tp.matmul_params(causal_lm(model)), doc_lens, 1)["dense"]
+    assert abs(mm - dense) / dense < 0.01
+
+
 def test_span_timer_forward_recompute_backward(tp):
     from torch.utils.checkpoint import checkpoint
 
