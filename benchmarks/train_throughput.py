@@ -375,8 +375,8 @@ def report_md(report) -> str:
             continue
         lines.append(
             f"| {r['setting']} | {r['attn']} | {r['fp8_linear']} | {r['gdn_backend']} | "
-            f"{r['seq_len']} × {r['batch_size']} × {r['grad_accum']} | {'yes' if r['gradient_checkpointing'] else 'no'}"
-            f" | {_fmt(r['step_ms'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_gib'], '.1f')}"
+            f"{r['seq_len']} × {r['batch_size']} × {r['grad_accum']} | "
+            f"{'yes' if r['gradient_checkpointing'] else 'no'} | {_fmt(r['step_ms'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_gib'], '.1f')}"
             f" | {_fmt(r['achieved_tflops'], '.1f')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['attention_share'], '.1%')} |"
             f" {_fmt(r['gdn_share'], '.1%')} |")
     ok = [r for r in report["runs"] if r.get("status") == "ok"]
