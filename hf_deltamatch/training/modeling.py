@@ -187,6 +187,9 @@ def build_model(cfg: TrainConfig, tokenizer):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_linear = keep_linear_attention_documents_apart(model)
+    if (refusal := fla_hopper_backward_refusal()) and any(type(m).__name__.endswith("GatedDeltaNet")
+                                                          for m in model.modules()):
+        log.warning(refusal)
     if n_linear:
         log.info("Gated DeltaNet layers run per document (%d layers; flash-linear-attention not installed)", n_linear)
     if cfg.fp8_linear:
@@ -203,6 +206,52 @@ def build_model(cfg: TrainConfig, tokenizer):
 
 def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
+
+
+def gdn_backend() -> str:
+    """'fla' or 'torch': the chunked gated delta rule that transformers' Qwen3.5 Gated DeltaNet layers call.
+
+    transformers resolves it once, when its modeling module is imported (FLA if `fla.ops.gated_delta_rule`
+    imports, else its torch function); this reads the resolved function from the dispatch wrapper."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    try:
+        impl = inspect.getclosurevars(modeling_qwen3_5.torch_chunk_gated_delta_rule).nonlocals.get("implementation")
+    except TypeError:  # not a Python closure (a hub-kernel wrapper): transformers' own import rule
+        impl = None
+    if impl is None:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as impl  # noqa: F401
+        except Exception:  # noqa: BLE001  (transformers falls back on any import error)
+            return "torch"
+    return "fla" if getattr(impl, "__module__", "").startswith("fla") else "torch"
+
+
+def fla_hopper_backward_refusal() -> str | None:
+    """Why FLA will refuse the gated delta rule's backward here, or None.
+
+    FLA 0.6 raises in that backward on Hopper with 3.4 <= Triton < 3.7.1 (wrong results, FLA issue #640)
+    unless its tilelang kernel can take that piece (tilelang installed, an nvcc for tilelang's JIT)."""
+    if not (fla_available() and torch.cuda.is_available()) or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split("+")[0].split(".")[:3] if x.isdigit())
+    if not (3, 4, 0) <= version < (3, 7, 1):
+        return None
+    try:  # FLA's own rule: tilelang importable, nvcc found, not disabled by FLA_TILELANG=0
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+        tilelang = CommonTileLangBackend.can_use()
+    except Exception:  # noqa: BLE001  (another FLA layout)
+        tilelang = importlib.util.find_spec("tilelang") is not None
+    if tilelang:
+        return None
+    return (f"flash-linear-attention will refuse the Gated DeltaNet backward on this Hopper GPU with Triton "
+            f"{triton.__version__} (FLA issue #640): install tilelang (pip install 'hf-deltamatch[hybrid-hopper]', "
+            f"plus a CUDA toolkit's nvcc for its JIT) or Triton >= 3.7.1.")
 
 
 def keep_linear_attention_documents_apart(model: nn.Module, force: bool = False) -> int:

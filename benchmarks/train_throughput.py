@@ -1,0 +1,484 @@
+#!/usr/bin/env python
+"""End-to-end training throughput of a recipe's model: tokens/s, peak memory, MFU and the attention share.
+
+Builds the model of a recipe config with hf_deltamatch.training (random init, as the recipe does), feeds it
+random tokens in the recipe's packed layout (PackedCollator: one row of batch x seq_len tokens with
+cu_seq_lens; no data needed), and runs W warm-up + S timed optimizer steps exactly as the recipe's loop does:
+bf16 autocast over fp32 master weights, grad_accum micro-batches, clipping, AdamW, gradient checkpointing and
+the chunked loss as the config sets them. Each configuration (setting x --attn x --fp8-linear) runs in a fresh
+subprocess. Settings:
+  8k   recipes/configs/hybrid-1p7b.yaml as is (8K tokens per sequence)
+  64k  hybrid-1p7b's model with extend-64k.yaml's 64K settings (seq_len 65536, batch 1, RoPE base 1e6,
+       gradient checkpointing, loss_chunk 8192)
+  any recipe YAML path (e.g. recipes/configs/tiny-cpu.yaml)
+
+MFU counts model FLOPs (recomputation under checkpointing earns nothing) against --peak-tflops (H100/H200 SXM
+dense BF16: 989.4):
+  6 * P per token, P = parameters that multiply activations (all but the input embedding; a tied head counts once)
+  + softmax attention: 6 * L_attn * Hq * D * sum_docs(len^2) per step (causal: half of 4*Hq*D*len^2 forward
+    per layer, backward twice the forward)
+  + Gated DeltaNet (chunk C=64, key dim K, value dim V, HV value heads): per token and layer
+    3 * 2 * HV * (3*C*K + 2*C*V + 3*K*V + C^2/3) (forward matmuls per chunk: K K^T, w = A (k beta e^g),
+    q K^T: C^2 K each; u = A (v beta), (q K^T) v_new: C^2 V each; w S, K^T v_new, q S: C K V each; the
+    triangular inverse C^3/3; backward twice the forward)
+The attention share is measured with CUDA events (wall clock on CPU) around the attention function
+(transformers' attention interface), including its recomputation under checkpointing, and in backward from
+the gradient hook on its output to the gradient hook on its query; the same for the Gated DeltaNet core
+(chunk_gated_delta_rule, FLA or torch). Which Gated DeltaNet backend ran is recorded.
+
+  python benchmarks/train_throughput.py --out /tmp/tp                               # 8k and 64k, three attns
+  python benchmarks/train_throughput.py --settings 64k --attn deltamatch_fp8 --fp8-linear --out /tmp/tp
+  python benchmarks/train_throughput.py --settings recipes/configs/tiny-cpu.yaml --device cpu --steps 2 \\
+      --warmup 1 --attn deltamatch_fp8,sdpa --out /tmp/tp                          # CPU smoke test
+Extra arguments after `--` go to the recipe's config parser (e.g. `-- --grad_accum 1 --batch_size 1`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import torch  # noqa: E402
+
+SETTINGS = {
+    "8k": (ROOT / "recipes/configs/hybrid-1p7b.yaml", None),
+    "64k": (ROOT / "recipes/configs/hybrid-1p7b.yaml", ROOT / "recipes/configs/extend-64k.yaml"),
+}
+# what the 64K stage changes (its `model` is a checkpoint path, its data and schedule do not matter here)
+EXTENSION_KEYS = ("seq_len", "batch_size", "grad_accum", "gradient_checkpointing", "loss_chunk", "rope_theta",
+                  "max_position_embeddings")
+GDN_CHUNK = 64
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # SXM dense BF16 tensor-core peak
+
+
+# ----------------------------------------------------------------------------------------------------
+# FLOPs
+# ----------------------------------------------------------------------------------------------------
+
+
+def matmul_params(model) -> int:
+    """Parameters that multiply activations: everything but the input embedding table (a lookup), except that
+    a head tied to it is a matmul and counts once."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is emb
+    return total if tied else total - emb.numel()
+
+
+def layer_counts(config) -> tuple[int, int]:
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    return types.count("full_attention"), types.count("linear_attention")
+
+
+def gdn_flops_per_token(config) -> float:
+    """Forward + backward model FLOPs of one Gated DeltaNet layer's chunked delta rule per token."""
+    c, k, v = GDN_CHUNK, config.linear_key_head_dim, config.linear_value_head_dim
+    macs = 3 * c * k + 2 * c * v + 3 * k * v + c * c / 3
+    return 3 * 2 * config.linear_num_value_heads * macs
+
+
+def step_flops(config, n_params: int, doc_lens_per_row: list[list[int]], grad_accum: int) -> dict:
+    tokens = sum(sum(r) for r in doc_lens_per_row)
+    n_attn, n_gdn = layer_counts(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dense = 6.0 * n_params * tokens
+    attn = 6.0 * n_attn * config.num_attention_heads * head_dim * sum(n * n for r in doc_lens_per_row for n in r)
+    gdn = gdn_flops_per_token(config) * n_gdn * tokens if n_gdn else 0.0
+    return {"dense": dense * grad_accum, "attention": attn * grad_accum, "gdn": gdn * grad_accum,
+            "total": (dense + attn + gdn) * grad_accum}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing one function inside the model, forward and backward
+# ----------------------------------------------------------------------------------------------------
+
+
+class SpanTimer:
+    """Time spent in one function: its forward calls (recomputations included) and, in backward, from its
+    output's gradient hook (its backward is next: autograd runs the most recently created nodes first) to
+    its query's gradient hook (every gradient of the call has been produced)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[list] = []
+        self.calls = 0
+        self.enabled = False
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def wrap(self, fn, query_index: int):
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            self.calls += 1
+            start = self._mark()
+            result = fn(*args, **kwargs)
+            self.spans.append([start, self._mark()])
+            out, query = result[0], args[query_index] if len(args) > query_index else None
+            if torch.is_grad_enabled() and query is not None and out.requires_grad and query.requires_grad:
+                span = [None, None]
+
+                def begin(grad):
+                    span[0] = self._mark()
+
+                def end(grad):
+                    if span[0] is not None and span[1] is None:
+                        span[1] = self._mark()
+                        self.spans.append(span)
+
+                out.register_hook(begin)
+                query.register_hook(end)
+            return result
+
+        timed.__wrapped__ = fn
+        return timed
+
+    def take_ms(self) -> float:
+        """Milliseconds of every finished span since the last call (synchronizes)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            total = sum(a.elapsed_time(b) for a, b in self.spans)
+        else:
+            total = sum((b - a) * 1e3 for a, b in self.spans)
+        self.spans.clear()
+        return total
+
+
+def instrument(model, device):
+    """(attention timer, Gated DeltaNet timer or None, undo): wraps the attention function the model looks up
+    at every call and the gated delta rule its linear-attention layers call."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = model.config._attn_implementation
+    attn = SpanTimer(device)
+    had_local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
+    original = ALL_ATTENTION_FUNCTIONS[name]
+    ALL_ATTENTION_FUNCTIONS[name] = attn.wrap(original, query_index=1)  # (module, query, key, value, mask, ...)
+    undo = [lambda: ALL_ATTENTION_FUNCTIONS.__setitem__(name, original) if had_local
+            else ALL_ATTENTION_FUNCTIONS._local_mapping.pop(name, None)]
+    gdn = None
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    if layers:
+        module = sys.modules[type(layers[0]).__module__]
+        fn = getattr(module, "torch_chunk_gated_delta_rule", None)
+        if fn is not None:
+            gdn = SpanTimer(device)
+            setattr(module, "torch_chunk_gated_delta_rule", gdn.wrap(fn, query_index=0))
+            undo.append(lambda: setattr(module, "torch_chunk_gated_delta_rule", fn))
+    return attn, gdn, lambda: [u() for u in undo]
+
+
+# ----------------------------------------------------------------------------------------------------
+# One configuration (runs in its own process)
+# ----------------------------------------------------------------------------------------------------
+
+
+def recipe_config(setting: str, attn: str, fp8_linear: bool, extra: list[str]):
+    from hf_deltamatch.training.config import load_config_file, parse_config
+
+    base, extension = SETTINGS.get(setting, (Path(setting), None))
+    argv = ["--config", str(base), "--attn", attn] + (["--fp8_linear"] if fp8_linear else [])
+    if extension is not None:
+        ext = load_config_file(extension)
+        for key in EXTENSION_KEYS:
+            value = ext[key]
+            if isinstance(value, bool):
+                argv.append(f"--{key}" if value else f"--no-{key}")
+            else:
+                argv += [f"--{key}", str(value)]
+    return parse_config(argv + list(extra))
+
+
+def random_token_tokenizer(vocab_size: int):
+    """A word-level tokenizer with `vocab_size` entries: the model config takes its size and special ids."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<eos>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [f"t{i}" for i in range(vocab_size - len(specials))])}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                   unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+
+
+def random_batch(cfg, vocab_size: int, docs_per_row: int, seed: int, device):
+    """The recipe's packed batch (PackedCollator) of batch_size rows of seq_len random tokens."""
+    from hf_deltamatch.training.data import PackedCollator
+
+    gen = torch.Generator().manual_seed(seed)
+    base, rem = divmod(cfg.seq_len, docs_per_row)
+    lens = [base + (i < rem) for i in range(docs_per_row)]
+    blocks = [{"input_ids": torch.randint(3, vocab_size, (cfg.seq_len,), generator=gen), "doc_lens": lens}
+              for _ in range(cfg.batch_size)]
+    batch = PackedCollator()(blocks)
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}, [lens] * cfg.batch_size
+
+
+def run_one(spec: dict) -> dict:
+    from hf_deltamatch.training.loop import _memory_gb
+    from hf_deltamatch.training.modeling import CausalLMWithLoss, build_model, causal_lm, gdn_backend
+    from hf_deltamatch.training.optim import build_optimizers
+
+    device = torch.device(spec["device"])
+    cfg = recipe_config(spec["setting"], spec["attn"], spec["fp8_linear"], spec["extra"])
+    if device.type == "cpu" and cfg.cpu_threads > 0:
+        torch.set_num_threads(cfg.cpu_threads)
+    torch.manual_seed(cfg.seed)
+    tokenizer = random_token_tokenizer(cfg.vocab_size)
+    with torch.device(device):  # parameters created on the GPU: no 7 GB detour through host memory
+        model = build_model(cfg, tokenizer)
+    model.to(device)
+    wrapped = CausalLMWithLoss(model, cfg.loss_chunk)
+    optimizers = build_optimizers(wrapped, cfg)
+    lm = causal_lm(model)
+    if device.type == "cpu" and layer_counts(lm.config)[1] and gdn_backend() == "fla":
+        raise SystemExit("transformers will call flash-linear-attention's Triton kernels, which need a CUDA GPU: "
+                         "run on the GPU, or on CPU in an environment without flash-linear-attention.")
+    batch, doc_lens = random_batch(cfg, len(tokenizer), spec["docs_per_row"], cfg.seed, device)
+    n_params = matmul_params(lm)
+    flops = step_flops(lm.config, n_params, doc_lens, cfg.grad_accum)
+    attn_timer, gdn_timer, undo = instrument(lm, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
+
+    def step():
+        for _ in range(cfg.grad_accum):
+            with autocast:
+                loss, _ = wrapped(**batch)
+            (loss / cfg.grad_accum).backward()
+        if cfg.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.clip_grad)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    wrapped.train()
+    losses = [float(step()) for _ in range(spec["warmup"])]
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    attn_ms = gdn_ms = 0.0
+    step_ms = []
+    for _ in range(spec["steps"]):
+        attn_timer.enabled = True
+        if gdn_timer is not None:
+            gdn_timer.enabled = True
+        sync()
+        t0 = time.perf_counter()
+        loss = step()
+        sync()
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+        losses.append(float(loss))
+        attn_ms += attn_timer.take_ms()
+        gdn_ms += gdn_timer.take_ms() if gdn_timer is not None else 0.0
+    undo()
+    total_ms = sum(step_ms)
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+    peak = spec.get("peak_tflops")
+    achieved = flops["total"] * spec["steps"] / (total_ms / 1e3) / 1e12
+    n_attn, n_gdn = layer_counts(lm.config)
+    return {
+        "setting": spec["setting"], "attn": spec["attn"], "fp8_linear": spec["fp8_linear"],
+        "attn_implementation": lm.config._attn_implementation,
+        "gdn_backend": gdn_backend() if n_gdn else None,
+        "precision": cfg.precision if cfg.attn == "deltamatch_fp8" else None,
+        "delta": cfg.delta if cfg.attn == "deltamatch_fp8" else None,
+        "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
+        "docs_per_row": spec["docs_per_row"], "gradient_checkpointing": cfg.gradient_checkpointing,
+        "loss_chunk": cfg.loss_chunk, "mixed_precision": cfg.mixed_precision,
+        "layers": {"attention": n_attn, "gated_deltanet": n_gdn},
+        "params_total": sum(p.numel() for p in {id(p): p for p in lm.parameters()}.values()),
+        "params_matmul": n_params,
+        "tokens_per_step": tokens_per_step, "warmup": spec["warmup"], "steps": spec["steps"],
+        "step_ms": total_ms / spec["steps"], "step_ms_all": step_ms,
+        "tokens_per_s": tokens_per_step * spec["steps"] / (total_ms / 1e3),
+        "peak_memory_gib": _memory_gb(device),
+        "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "process max RSS",
+        "flops_per_step": flops, "achieved_tflops": achieved,
+        "mfu": achieved / peak if peak else None, "peak_tflops": peak,
+        "attention_share": attn_ms / total_ms, "gdn_share": gdn_ms / total_ms if gdn_timer is not None else None,
+        "attention_calls": attn_timer.calls, "losses": losses,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------------------------------
+
+
+def _peak_tflops(device, given):
+    if given is not None:
+        return given
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def skip_reason(attn: str, fp8_linear: bool, device) -> str | None:
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return "flash_attention_2 needs the flash-attn package, which is not installed"
+    if attn == "flash_attention_2" and device.type != "cuda":
+        return "flash_attention_2 needs a CUDA GPU"
+    if fp8_linear and importlib.util.find_spec("torchao") is None:
+        return "--fp8-linear needs torchao, which is not installed"
+    return None
+
+
+def _fmt(x, spec):
+    return format(x, spec) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else "—"
+
+
+def report_md(report) -> str:
+    env, meta = report["environment"], report["meta"]
+    lines = [f"# Training throughput ({meta['date']})", "",
+             f"GPU {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, transformers "
+             f"{meta['transformers']}, fla {meta['fla']}, tilelang {meta['tilelang']}, torchao {meta['torchao']}, "
+             f"commit {env.get('git_commit')}.", f"Command: `python benchmarks/train_throughput.py "
+             f"{' '.join(meta['argv'])}`", "",
+             "MFU: model FLOPs (6·P + causal attention + Gated DeltaNet, no credit for recomputation) over "
+             f"{meta['peak_tflops']} TFLOP/s. Shares: time inside the attention function / the gated delta rule, "
+             "forward (with recomputation) + backward, over step time.", "",
+             "| setting | attn | fp8 linear | GDN | seq × batch × accum | ckpt | step ms | tokens/s | peak GiB | "
+             "TFLOP/s | MFU | attention share | GDN share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['setting']} | {r['attn']} | {r['fp8_linear']} | {r.get('status')}: "
+                         f"{r.get('reason', '')} |" + " |" * 9)
+            continue
+        lines.append(
+            f"| {r['setting']} | {r['attn']} | {r['fp8_linear']} | {r['gdn_backend']} | "
+            f"{r['seq_len']} × {r['batch_size']} × {r['grad_accum']} | "
+            f"{'yes' if r['gradient_checkpointing'] else 'no'} | {_fmt(r['step_ms'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_gib'], '.1f')}"
+            f" | {_fmt(r['achieved_tflops'], '.1f')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['attention_share'], '.1%')} |"
+            f" {_fmt(r['gdn_share'], '.1%')} |")
+    ok = [r for r in report["runs"] if r.get("status") == "ok"]
+    if ok:
+        r = ok[0]
+        f = r["flops_per_step"]
+        lines += ["", f"FLOPs per step of the first row: dense {f['dense']:.3g}, attention {f['attention']:.3g}, "
+                  f"Gated DeltaNet {f['gdn']:.3g} (P = {r['params_matmul'] / 1e9:.3f} B of "
+                  f"{r['params_total'] / 1e9:.3f} B parameters)."]
+    return "\n".join(lines) + "\n"
+
+
+def _version(name):
+    try:
+        return __import__(name).__version__
+    except Exception:  # noqa: BLE001
+        return "not installed"
+
+
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--settings", default="8k,64k", help="8k, 64k, or recipe YAML paths, comma-separated")
+    p.add_argument("--attn", default="deltamatch_fp8,sdpa,flash_attention_2")
+    p.add_argument("--fp8-linear", action="store_true", help="also run each configuration with torchao FP8 linears")
+    p.add_argument("--warmup", type=int, default=3, help="optimizer steps before timing")
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    p.add_argument("--docs-per-row", type=int, default=1, help="equal documents per packed sequence")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="for MFU (default: 989.4 on H100/H200, none elsewhere)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run one JSON spec, write the result there
+    args = p.parse_args(argv)
+    args.extra = extra
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.single:
+        spec = json.loads(Path(args.single).read_text())
+        result = run_one(spec)
+        Path(spec["result"]).write_text(json.dumps(result))
+        return 0
+    import attention as attention_bench  # benchmarks/attention.py: environment, slug, _sanitize
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device; for a CPU smoke test pass --device cpu and a small recipe config.",
+              file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    env = attention_bench.environment(device)
+    peak = _peak_tflops(device, args.peak_tflops)
+    report = {"meta": {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "argv": sys.argv[1:] if argv is None else argv,
+                       "transformers": _version("transformers"), "fla": _version("fla"),
+                       "tilelang": _version("tilelang"), "torchao": _version("torchao"), "peak_tflops": peak},
+              "environment": env, "runs": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"train-throughput-{now.strftime('%Y-%m-%d-%H%M')}-{attention_bench.slug(env['gpu'])}"
+
+    def write():
+        stem.with_suffix(".json").write_text(json.dumps(attention_bench._sanitize(report), indent=1))
+        stem.with_suffix(".md").write_text(report_md(report))
+
+    for setting in [s.strip() for s in args.settings.split(",") if s.strip()]:
+        for attn in [a.strip() for a in args.attn.split(",") if a.strip()]:
+            for fp8 in ([False, True] if args.fp8_linear else [False]):
+                row = {"setting": setting, "attn": attn, "fp8_linear": fp8}
+                reason = skip_reason(attn, fp8, device)
+                if reason:
+                    report["runs"].append({**row, "status": "skipped", "reason": reason})
+                    write()
+                    continue
+                print(f"[train_throughput] {setting} {attn} fp8_linear={fp8}", file=sys.stderr, flush=True)
+                with tempfile.TemporaryDirectory() as tmp:
+                    spec = {**row, "device": args.device, "warmup": args.warmup, "steps": args.steps,
+                            "docs_per_row": args.docs_per_row, "extra": args.extra, "peak_tflops": peak,
+                            "result": str(Path(tmp) / "result.json")}
+                    (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+                    try:
+                        proc = subprocess.run([sys.executable, __file__, "--single", str(Path(tmp) / "spec.json")],
+                                              capture_output=True, text=True, timeout=args.timeout)
+                        if proc.returncode == 0:
+                            report["runs"].append({**json.loads(Path(spec["result"]).read_text()), "status": "ok"})
+                        else:
+                            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                            report["runs"].append({**row, "status": "failed", "reason": " / ".join(tail)[-1500:]})
+                            print(proc.stderr[-4000:], file=sys.stderr)
+                    except subprocess.TimeoutExpired:
+                        report["runs"].append({**row, "status": "failed", "reason": f"timeout {args.timeout} s"})
+                write()
+    print(report_md(report))
+    print(f"wrote {stem}.json and .md", file=sys.stderr)
+    return 0 if all(r["status"] != "failed" for r in report["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""benchmarks/train_throughput.py: its FLOP count, its span timer, and a 2-step CPU run of the tiny recipe.
+
+The numbers that matter (tokens/s, MFU, attention share of hybrid-1p7b at 8K and 64K) come from the GPU tests
+at the end; on CPU we check the plumbing: the recipe's model and step, the packed batch, the timer's forward,
+recompute and backward spans, and the report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "train_throughput.py"
+TINY = str(ROOT / "recipes" / "configs" / "tiny-cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def tp():
+    spec = importlib.util.spec_from_file_location("bench_train_throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_step_flops_by_hand(tp):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen3_5_text", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                  layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                                  linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=16)
+    flops = tp.step_flops(config, n_params=1000, doc_lens_per_row=[[100, 28], [128]], grad_accum=2)
+    tokens = 256
+    assert flops["dense"] == 2 * 6 * 1000 * tokens
+    # causal attention: 12 * H * D * L^2 / 2 per document and layer, one attention layer
+    assert flops["attention"] == 2 * 12 * 4 * 32 * (100**2 + 28**2 + 128**2) / 2
+    c, k, v = 64, 32, 16
+    per_token = 3 * 2 * 4 * (3 * c * k + 2 * c * v + 3 * k * v + c * c / 3)
+    assert flops["gdn"] == pytest.approx(2 * 3 * per_token * tokens)
+    assert flops["total"] == pytest.approx(flops["dense"] + flops["attention"] + flops["gdn"])
+
+
+def test_matmul_params_tied_and_untied(tp):
+    from torch import nn
+
+    class LM(nn.Module):
+        def __init__(self, tie):
+            super().__init__()
+            self.emb, self.body, self.head = nn.Embedding(50, 8), nn.Linear(8, 8), nn.Linear(8, 50, bias=False)
+            if tie:
+                self.head.weight = self.emb.weight
+
+        def get_input_embeddings(self):
+            return self.emb
+
+        def get_output_embeddings(self):
+            return self.head
+
+    assert tp.matmul_params(LM(tie=False)) == 8 * 8 + 8 + 50 * 8
+    assert tp.matmul_params(LM(tie=True)) == 50 * 8 + 8 * 8 + 8
+
+
+def test_dense_flops_match_torch_flop_counter(tp):
+    """6 * P * tokens against torch's FLOP counter on the tiny recipe's model (tied head): the linears'
+    aten.mm FLOPs of one forward+backward. P also holds norms and the depthwise conv (not mm): well under 1%."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_deltamatch.training.modeling import CausalLMWithLoss, build_model, causal_lm
+
+    cfg = tp.recipe_config(TINY, "sdpa", False, ["--batch_size", "2", "--seq_len", "128"])
+    tokenizer = tp.random_token_tokenizer(cfg.vocab_size)
+    model = build_model(cfg, tokenizer)
+    batch, doc_lens = tp.random_batch(cfg, len(tokenizer), 1, 0, torch.device("cpu"))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        CausalLMWithLoss(model, 0)(**batch)[0].backward()
+    mm = counter.get_flop_counts()["Global"][torch.ops.aten.mm]
+    dense = tp.step_flops(causal_lm(model).config, tp.matmul_params(causal_lm(model)), doc_lens, 1)["dense"]
+    assert abs(mm - dense) / dense < 0.01
+
+
+def test_span_timer_forward_recompute_backward(tp):
+    from torch.utils.checkpoint import checkpoint
+
+    timer = tp.SpanTimer(torch.device("cpu"))
+
+    def op(query, weight):
+        return (query @ weight).tanh(), None
+
+    timed = timer.wrap(op, query_index=0)
+    timer.enabled = True
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    q = x * 2
+    timed(q, w)[0].sum().backward()
+    assert len(timer.spans) == 2 and all(b >= a for a, b in timer.spans)  # forward, backward
+    assert timer.take_ms() > 0 and timer.spans == []
+
+    def block(x):
+        return timed(x * 2, w)[0].sin()
+
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert timer.calls == 3 and len(timer.spans) == 3  # forward, recomputation, backward
+    timer.take_ms()
+    with torch.no_grad():
+        timed(q, w)
+    assert len(timer.spans) == 1  # no backward span without autograd
+
+
+def test_recipe_config_64k_settings(tp):
+    cfg = tp.recipe_config("64k", "sdpa", False, [])
+    assert (cfg.seq_len, cfg.batch_size, cfg.gradient_checkpointing, cfg.loss_chunk) == (65536, 1, True, 8192)
+    assert cfg.rope_theta == 1e6 and cfg.model is None and cfg.model_config["hidden_size"] == 2048
+    cfg8 = tp.recipe_config("8k", "deltamatch_fp8", False, ["--grad_accum", "1"])
+    assert (cfg8.seq_len, cfg8.batch_size, cfg8.grad_accum) == (8192, 2, 1)
+
+
+def test_cpu_run_two_steps(tp, tmp_path):
+    from hf_deltamatch.training.modeling import gdn_backend
+
+    if gdn_backend() == "fla":
+        pytest.skip("flash-linear-attention is installed: the tiny hybrid's Gated DeltaNet would need CUDA")
+    rc = tp.main(["--settings", TINY, "--device", "cpu", "--warmup", "1", "--steps", "2",
+                  "--attn", "deltamatch_fp8,flash_attention_2", "--out", str(tmp_path)])
+    assert rc == 0
+    (js,) = tmp_path.glob("train-throughput-*-cpu.json")
+    runs = json.loads(js.read_text())["runs"]
+    ok, skipped = runs
+    assert ok["status"] == "ok" and skipped["status"] == "skipped" and "flash" in skipped["reason"]
+    assert ok["tokens_per_s"] > 0 and ok["steps"] == 2 and len(ok["step_ms_all"]) == 2
+    assert ok["tokens_per_step"] == 8 * 256 and ok["gdn_backend"] == gdn_backend()
+    assert ok["attention_calls"] == 2  # one attention layer, 2 timed steps, no checkpointing
+    assert 0 < ok["attention_share"] < 1 and 0 < ok["gdn_share"] < 1
+    assert all(torch.isfinite(torch.tensor(ok["losses"])))
+    assert ok["mfu"] is None and ok["achieved_tflops"] > 0  # no peak known for a CPU
+    assert "deltamatch_fp8" in js.with_suffix(".md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["8k", "64k"])
+def test_hybrid_1p7b_step_fits_and_runs(tp, tmp_path, setting):
+    """hybrid-1p7b trains at 8K (batch 2) and 64K (batch 1, checkpointing, chunked loss) on one H200."""
+    rc = tp.main(["--settings", setting, "--attn", "deltamatch_fp8", "--warmup", "1", "--steps", "2",
+                  "--out", str(tmp_path), "--", "--grad_accum", "1"])
+    (js,) = tmp_path.glob("train-throughput-*.json")
+    (run,) = json.loads(js.read_text())["runs"]
+    assert rc == 0 and run["status"] == "ok", run
+    assert run["peak_memory_gib"] < 139 and run["tokens_per_s"] > 0 and run["mfu"] > 0
+    assert 0 < run["attention_share"] < 1
