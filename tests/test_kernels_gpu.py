@@ -458,9 +458,7 @@ def test_hopper_packed(cu, D, tune):
     outputs stay 0 (LSE -inf); GQA and MHA; D=128 and D=64 (where packed batches take the Gluon forward and dQ
     kernels that dense ones do not), with the other choice of two or three warpgroups for the forward and dK/dV,
     and with dK/dV's scales loaded a tile ahead (`tune`)."""
-    import triton
-    if not triton.__version__.startswith("3.6"):
-        pytest.skip("the Gluon kernels are written against Triton 3.6's Gluon API")
+    _skip_unless_gluon_triton()
     N = 4096
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
     end = cu[-1]
