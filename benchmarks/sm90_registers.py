@@ -9,6 +9,15 @@ config that spills hundreds of bytes per thread ran 2-3x slower on the H200 (doc
 and stride arguments are marked divisible by 16, as the launcher does for our tensors; without it loads
 compile to byte accesses and nothing pipelines.
 
+--hash FILE records, for every default path of the package (Triton and Gluon forward, dQ and dK/dV; D 64, 128,
+256 and MLA's 192/128; causal, full and windowed masks; GQA; dense N = 8192 (the Gluon kernels' case) and
+N = 8000 (the Triton kernels'); packed and other varlen batches; fp8 and bf16 precision; e5m2 gradients; block 64;
+matching and stale delta), the kernels ops.forward and ops.backward launch and a hash of each one's sm_90 SASS,
+one line per (case, kernel): a refactor of the kernels or launch.py that leaves every default alone leaves the
+hashes unchanged (compare the first six columns, `cut -d' ' -f1-6`; the constexprs after them name the kernels'
+options). The launches are recorded from ops.py itself (no kernel runs: every launch is caught before it
+reaches a GPU), with the Gluon kernels' conditions (an sm_90 device, Triton 3.6) answered as on the H200.
+
 --loops adds, per innermost loop of the SASS (a backward branch's body: about one per key- or query-tile range,
 though ptxas may lay a masked loop out as two overlapping ones), the instructions one warp issues per iteration
 by kind: the H200 runs showed these loops limited by their instruction streams rather than by the tensor cores
@@ -199,6 +208,106 @@ def common(d, fp8, causal, groups=1):
                 INTERP=False, GROUPS=groups)
 
 
+KERNELS = {"_fwd_kernel": "fwd", "_bwd_dq_kernel": "dq", "_bwd_dkdv_kernel": "dkdv", "_fwd_hopper_kernel": "hopper_fwd",
+           "_bwd_dq_hopper_kernel": "hopper_dq", "_bwd_dkdv_hopper_kernel": "hopper"}
+
+
+def default_cases():
+    """{name: ops.forward / ops.backward inputs} of the --hash cases (see the module docstring)."""
+    cases = {}
+    for d in (64, 128):
+        for causal in (True, False):
+            for hq, hkv in ((4, 4), (16, 4)):
+                for n in (8192, 8000):
+                    for precision in ("fp8", "bf16"):
+                        for delta in ("matching", "stale"):
+                            if precision == "bf16" and (n == 8192 or hq != hkv):
+                                continue  # bf16 runs the Triton kernels at every shape: one shape suffices
+                            name = f"d{d}-{'causal' if causal else 'full'}-h{hq}:{hkv}-n{n}-{precision}-{delta}"
+                            cases[name] = dict(d=d, causal=causal, hq=hq, hkv=hkv, n=n, precision=precision,
+                                               delta=delta)
+        for hq, hkv in ((4, 4), (16, 4)):
+            for delta in ("matching", "stale"):
+                cases[f"d{d}-packed-h{hq}:{hkv}-{delta}"] = dict(d=d, causal=True, hq=hq, hkv=hkv, n=8000,
+                                                                 varlen=(3000, 4000, 1000), delta=delta)
+        cases[f"d{d}-varlen-unaligned"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3001, 3999, 1000))
+        cases[f"d{d}-varlen-full"] = dict(d=d, causal=False, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000))
+        cases[f"d{d}-window"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, window=1024)
+        cases[f"d{d}-e5m2"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, grad_format="e5m2")
+        cases[f"d{d}-block64"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, block=64)
+    for causal in (True, False):
+        for precision in ("fp8", "bf16"):
+            cases[f"d256-{'causal' if causal else 'full'}-{precision}"] = dict(d=256, causal=causal, hq=4, hkv=4,
+                                                                              n=8192, precision=precision)
+    cases["mla-192:128"] = dict(d=192, dv=128, causal=True, hq=4, hkv=4, n=8192)
+    cases["d128-gqa-full-stale"] = dict(d=128, causal=False, hq=16, hkv=4, n=8192, delta="stale")
+    return cases
+
+
+def record_launches(case):
+    """[(kernel function, constexprs, warps, stages, maxnreg)] that ops.forward then ops.backward launch for `case`
+    (default_cases), with kernels.TUNE as it stands. CPU tensors stand in for the GPU's; JITFunction.run records
+    each launch and returns without running it, and launch._hopper_case sees an sm_90 device and Triton 3.6."""
+    import torch
+    from triton.runtime.jit import JITFunction
+    from hf_deltamatch.config import DeltaMatchConfig
+    launches = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if self.__name__ in KERNELS:
+            opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+            launches.append((self, kwargs, opts.get("num_warps", 4), opts.get("num_stages", 3), opts.get("maxnreg")))
+
+    hopper_case = KL._hopper_case
+
+    def sm90_case(**kw):
+        saved, triton.__version__ = triton.__version__, "3.6.0"
+        try:
+            return hopper_case(**{**kw, "device": torch.device("cuda")})
+        finally:
+            triton.__version__ = saved
+
+    saved = JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability
+    JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = run, sm90_case, lambda *a: (9, 0)
+    try:
+        d, dv, n = case["d"], case.get("dv", case["d"]), case["n"]
+        B = 1 if "varlen" in case else 2
+        q = torch.zeros(B, case["hq"], n, d, dtype=torch.bfloat16)
+        k = torch.zeros(B, case["hkv"], n, d, dtype=torch.bfloat16)
+        v = torch.zeros(B, case["hkv"], n, dv, dtype=torch.bfloat16)
+        cu = None
+        if "varlen" in case:
+            lengths = torch.tensor((0, *case["varlen"]))
+            cu = torch.cumsum(lengths, 0).to(torch.int32)
+            assert int(cu[-1]) == n
+        config = DeltaMatchConfig(precision=case.get("precision", "fp8"), delta=case.get("delta", "matching"),
+                                  block=case.get("block", 128), grad_format=case.get("grad_format", "e4m3"))
+        kw = dict(causal=case["causal"], softmax_scale=None, window=case.get("window"), cu_seqlens_q=cu,
+                  cu_seqlens_k=cu, config=config)
+        out, lse, q8, k8, v8, sq, sk, sv = KO.forward(q, k, v, **kw)
+        KO.backward(torch.zeros_like(out), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, **kw)
+    finally:
+        JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = saved
+    return launches
+
+
+def hash_defaults(path):
+    """--hash: every default_cases() launch's kernel, constexprs and SASS hash into `path`, one line each (each
+    distinct kernel compiled once)."""
+    if KO.INTERPRET:
+        raise SystemExit("--hash compiles for sm_90: unset TRITON_INTERPRET")
+    compiled = {}
+    with open(path, "w") as f:
+        for name, case in default_cases().items():
+            for fn, cx, warps, stages, maxnreg in record_launches(case):
+                key = (fn.__name__, tuple(sorted(cx.items())), warps, stages, maxnreg)
+                if key not in compiled:
+                    compiled[key] = usage(fn, dict(cx), warps, stages, maxnreg)["sass_md5"]
+                    print(f"{name:32s} {KERNELS[fn.__name__]:10s} sass={compiled[key]} (compiled)", flush=True)
+                f.write(f"{name} {KERNELS[fn.__name__]} warps={warps} stages={stages} maxnreg={maxnreg} "
+                        f"sass={compiled[key]} {dict(sorted(cx.items()))}\n")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--kernels", default="fwd,dq,dkdv")
@@ -212,7 +321,12 @@ def main():
                                   "<kernel>.sass / .ptx")
     p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
     p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
+    p.add_argument("--hash", metavar="FILE", help="write every default path's kernels and their SASS hashes to FILE "
+                                                  "(the module docstring); the other options are ignored")
     args = p.parse_args()
+    if args.hash:
+        hash_defaults(args.hash)
+        return
     fp8 = not args.bf16
     for var in args.variants.split(";"):
         K.TUNE.clear()
