@@ -53,8 +53,7 @@ def signature(fn, constexprs):
     if constexprs.get("TMA"):
         bm, bn, bd, bv = (constexprs[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_DQK", "BLOCK_DV"))
         descs = {"_fwd_kernel": {"Q": (bm, bd), "K": (bn, bd), "V": (bv, bn)},
-                 "_bwd_dq_kernel": {"K": (bn, bd), "KT": (bd, bn), "V": (bn, bv)},
-                 "_bwd_dkdv_kernel": {"Q": (bm, bd), "QT": (bd, bm), "DO": (bm, bv), "DOT": (bv, bm)}}[fn.__name__]
+                 "_bwd_dq_kernel": {"K": (bn, bd), "KT": (bd, bn), "V": (bn, bv)}}[fn.__name__]
     marked = set(strides(fn, constexprs)[1])  # the non-unit strides
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -102,7 +101,7 @@ def gluon_signature(fn, constexprs, d):
     def desc(rows, cols):
         return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout((rows, cols))!r}>"
     n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
-    qb = 2 * m if constexprs.get("WGS", 2) == 2 else m  # the forward's q box per load
+    qb = m if fn.__name__ == "_fwd_hopper_kernel" else 2 * m  # q's box per load: a warpgroup's rows, or dQ's program
     kb = n if constexprs.get("WGS", 2) == 2 else 64  # the dK/dV kernel's k and v boxes per load
     boxes = {  # per kernel: descriptor -> box
         "_bwd_dkdv_hopper_kernel": {"k_desc": (kb, d), "v_desc": (kb, d), "q_desc": (m, d), "do_desc": (m, d),
@@ -133,7 +132,9 @@ def gluon_signature(fn, constexprs, d):
     return sig, attrs
 
 
-def usage(fn, constexprs, warps, stages, maxnreg=None):
+def usage(fn, constexprs, warps, stages, maxnreg=None, ptxas_log=True):
+    """The kernel's sm_90 resource usage, SASS and PTX; ptxas_log=False skips ptxas's second run for its verdict
+    on the wgmma pipeline ("serialized" then reads "no")."""
     if fn.__name__.endswith("_hopper_kernel"):
         from triton.experimental.gluon._runtime import GluonASTSource
         sig, attrs = gluon_signature(fn, constexprs, constexprs["HEAD_D"])
@@ -156,11 +157,13 @@ def usage(fn, constexprs, warps, stages, maxnreg=None):
                               capture_output=True, text=True).stdout
     # ptxas's own verdict on the wgmma pipeline: C7510-C7520 "wgmma.mma_async instructions are serialized due to
     # ..." means it waits after every wgmma (Triton does not show ptxas's info lines)
-    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
-        f.write(c.asm["ptx"])
-        f.flush()
-        log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
+    log = ""
+    if ptxas_log:
+        with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+            f.write(c.asm["ptx"])
+            f.flush()
+            log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                                 capture_output=True, text=True).stderr
     serialized = re.findall(r"serialized due to ([^']*?) in the function", log)
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
@@ -302,7 +305,7 @@ def hash_defaults(path):
             for fn, cx, warps, stages, maxnreg in record_launches(case):
                 key = (fn.__name__, tuple(sorted(cx.items())), warps, stages, maxnreg)
                 if key not in compiled:
-                    compiled[key] = usage(fn, dict(cx), warps, stages, maxnreg)["sass_md5"]
+                    compiled[key] = usage(fn, dict(cx), warps, stages, maxnreg, ptxas_log=False)["sass_md5"]
                     print(f"{name:32s} {KERNELS[fn.__name__]:10s} sass={compiled[key]} (compiled)", flush=True)
                 f.write(f"{name} {KERNELS[fn.__name__]} warps={warps} stages={stages} maxnreg={maxnreg} "
                         f"sass={compiled[key]} {dict(sorted(cx.items()))}\n")
@@ -334,18 +337,16 @@ def main():
         causal = not args.full
         c = common(args.d, fp8, causal, args.groups)
         fm, fw, fs = KL._fwd_launch_cfg(args.d, args.d, fp8)
-        kv_n = KL._dkdv_block_n(args.block, args.d, KL._dkdv_ds_scales(args.d, fp8))
+        kv_n = KL._dkdv_block_n(args.block, args.d, KL._dkdv_ds_scales(args.d, fp8, args.groups > 1))
         dm, dw, ds, kw, ks = KL._bwd_launch_cfg(args.d, args.d, fp8, kv_n, args.block)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
-        wait = {k: dict(WAIT_MMA=KL._wait_mma(k, args.d), ASM_SCALES=KL._asm_scales(k, args.d))
-                for k in ("fwd", "dq", "dkdv")}
+        wait = {k: dict(ASM_SCALES=KL._asm_scales(k, args.d, causal)) for k in ("fwd", "dq", "dkdv")}
         wait["dq"]["SCALE_AFTER_SUM"] = KL._scale_after_sum(args.d)
         lse2, shift = KL._dkdv_lse2(args.d), KL._dkdv_p_shift(args.d, fp8)
         wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
-        dss = KL._dkdv_ds_scales(args.d, fp8)
+        dss = KL._dkdv_ds_scales(args.d, fp8, args.groups > 1)
         wait["dq"]["DSS_OUT"] = dss
-        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=KL._dkdv_parts(args.d)[-1], DSS_IN=dss,
-                            FOLD=KL._dkdv_fold_ds_scale(args.d, dss))
+        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=KL._dkdv_parts(args.d)[-1], DSS_IN=dss)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
                                       TMA=KL._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),
@@ -353,14 +354,13 @@ def main():
                                         ROW_SUMS=False, DS_Q=KO.DS_TILE_Q, ONE_TILE=dm == KO.DS_TILE_Q,
                                         TMA=KL._use_tma("dq", fp8, args.d, args.d), **wait["dq"]), dw, ds),
             "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=KO.DS_TILE_Q,
-                                            BLOCK_N=kv_n, DS_K=args.block,
-                                            TMA=KL._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
+                                            BLOCK_N=kv_n, DS_K=args.block, **wait["dkdv"]), kw, ks),
         }
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel
             cfg = KL._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen)
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
-                                                            STAGES=cfg["stages"], FOLD=cfg["fold"],
+                                                            STAGES=cfg["stages"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
                                                             REGS=cfg["regs"],
                                                             PAIRS=cfg["pairs"], PEEL=cfg["peel"],
@@ -374,10 +374,10 @@ def main():
                 VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"]), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
-            cfg = KL._fwd_hopper_cfg(args.d)
+            cfg = KL._fwd_hopper_cfg()
             jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                            STAGES=cfg["stages"], VARLEN=args.varlen,
-                                                           WGS=cfg["warpgroups"], REGS=cfg["regs"]), 4, 1)
+                                                           REGS=cfg["regs"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, KL._maxnreg(name).get("maxnreg"))
