@@ -233,6 +233,7 @@ def default_cases():
             for delta in ("matching", "stale"):
                 cases[f"d{d}-packed-h{hq}:{hkv}-{delta}"] = dict(d=d, causal=True, hq=hq, hkv=hkv, n=8000,
                                                                  varlen=(3000, 4000, 1000), delta=delta)
+    for d in (64, 128):  # the rarer inputs after the common ones
         cases[f"d{d}-varlen-unaligned"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3001, 3999, 1000))
         cases[f"d{d}-varlen-full"] = dict(d=d, causal=False, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000))
         cases[f"d{d}-window"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, window=1024)
@@ -309,6 +310,7 @@ def hash_defaults(path):
                     print(f"{name:32s} {KERNELS[fn.__name__]:10s} sass={compiled[key]} (compiled)", flush=True)
                 f.write(f"{name} {KERNELS[fn.__name__]} warps={warps} stages={stages} maxnreg={maxnreg} "
                         f"sass={compiled[key]} {dict(sorted(cx.items()))}\n")
+                f.flush()
 
 
 def main():

@@ -287,14 +287,13 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, offs_m, o
     in)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load_2d(Q + offs_m[:, None] * sqn + offs_dqk[None, :] * sqd, offs_m, offs_dqk, n, DQK, MASK,
-                 BLOCK_DQK != DQK)
+    # the pointer path of _tile, the tile loader of every kernel (this one has no TMA path)
+    q = _tile(Q, 0, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, MASK, BLOCK_DQK != DQK, False, False)
     if INTERP and not FP8:
         q = q.to(tl.float32)
     do = q
     if PART != 1 or not FP8:  # dP needs dO; so does bf16's dV (its dO operand is the row-major tile)
-        do = _load_2d(DO + offs_m[:, None] * sdon + offs_dv[None, :] * sdod, offs_m, offs_dv, n, DV, MASK,
-                      BLOCK_DV != DV)
+        do = _tile(DO, 0, 0, offs_m, offs_dv, sdon, sdod, n, DV, MASK, BLOCK_DV != DV, False, False)
         if INTERP and not FP8:
             do = do.to(tl.float32)
     if MASK:
@@ -359,8 +358,7 @@ def _dkdv_inner(dk, dv, c_dk, ck_max, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, 
             # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
             if PART != 2:
                 cv = sdo_t / 256.0
-                dot_ = _load_2d(DOT + offs_m[:, None] * dtn + offs_dv[None, :] * dtd, offs_m, offs_dv, n, DV, MASK,
-                                BLOCK_DV != DV)
+                dot_ = _tile(DOT, 0, 0, offs_m, offs_dv, dtn, dtd, n, DV, MASK, BLOCK_DV != DV, False, True)
                 # P * 256, the static scale: exp2 gives it directly when P_SHIFT = 8 (the shift is in LSE2)
                 p256 = pt
                 if P_SHIFT != 8:
@@ -377,8 +375,7 @@ def _dkdv_inner(dk, dv, c_dk, ck_max, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, 
                 # dk is kept in units of the last tile's sds * sq or acc_units' floor; r multiplies (_dq_inner)
                 uk, ck_max = acc_units(sds * sq_t, ck_max)
                 r = sq_t * (1.0 / (1 << P_SHIFT)) / uk
-                qt = _load_2d(QT + offs_m[:, None] * qtn + offs_dqk[None, :] * qtd, offs_m, offs_dqk, n, DQK, MASK,
-                              BLOCK_DQK != DQK)
+                qt = _tile(QT, 0, 0, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK, False, True)
                 dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / uk))
                 c_dk = uk
         else:
