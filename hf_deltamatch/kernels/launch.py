@@ -40,7 +40,7 @@ def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
 
 # The head dims at which each kernel reads its FP8 tiles through TMA tensor descriptors by default: the forward
 # 0.89-0.94x the time at D 64/128, the dQ kernel 0.90x at D=128 (1.02x at D=64). The dK/dV kernel reads through
-# pointers (its TMA loads were 1.05-1.20x the time).
+# pointers (TMA loads measured 1.05-1.20x its time).
 TMA_HEAD_DIMS = {"fwd": (64, 128), "dq": (128,)}
 
 
