@@ -11,6 +11,15 @@ config that spills hundreds of bytes per thread ran 2-3x slower on the H200 (doc
 and stride arguments are marked divisible by 16, as the launcher does for our tensors; without it loads
 compile to byte accesses and nothing pipelines.
 
+--hash FILE records, for every default path of the package (Triton and Gluon forward, dQ and dK/dV; D 64, 128,
+256 and MLA's 192/128; causal, full and windowed masks; GQA; dense N = 8192 (the Gluon kernels' case) and
+N = 8000 (the Triton kernels'); packed and other varlen batches; fp8 and bf16 precision; e5m2 gradients; block 64;
+matching and stale delta), the kernels ops.forward and ops.backward launch and a hash of each one's sm_90 SASS,
+one line per (case, kernel): a refactor of the kernels or launch.py that leaves every default alone leaves the
+hashes unchanged (compare the first six columns, `cut -d' ' -f1-6`; the constexprs after them name the kernels'
+options). The launches are recorded from ops.py itself (no kernel runs: every launch is caught before it
+reaches a GPU), with the Gluon kernels' conditions (an sm_90 device, Triton 3.6) answered as on the H200.
+
 --loops adds, per innermost loop of the SASS (a backward branch's body: about one per key- or query-tile range,
 though ptxas may lay a masked loop out as two overlapping ones), the instructions one warp issues per iteration
 by kind: the H200 runs showed these loops limited by their instruction streams rather than by the tensor cores
@@ -55,8 +64,7 @@ def signature(fn, constexprs):
     if constexprs.get("TMA"):
         bm, bn, bd, bv = (constexprs[x] for x in ("BLOCK_M", "BLOCK_N", "BLOCK_DQK", "BLOCK_DV"))
         descs = {"_fwd_kernel": {"Q": (bm, bd), "K": (bn, bd), "V": (bv, bn)},
-                 "_bwd_dq_kernel": {"K": (bn, bd), "KT": (bd, bn), "V": (bn, bv)},
-                 "_bwd_dkdv_kernel": {"Q": (bm, bd), "QT": (bd, bm), "DO": (bm, bv), "DOT": (bv, bm)}}[fn.__name__]
+                 "_bwd_dq_kernel": {"K": (bn, bd), "KT": (bd, bn), "V": (bn, bv)}}[fn.__name__]
     marked = set(strides(fn, constexprs)[1])  # the non-unit strides
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -104,7 +112,7 @@ def gluon_signature(fn, constexprs, d):
     def desc(rows, cols):
         return f"tensordesc<fp8e4nv[{rows}, {cols}],{H._layout((rows, cols))!r}>"
     n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
-    qb = 2 * m if constexprs.get("WGS", 2) == 2 else m  # the forward's q box per load
+    qb = m if fn.__name__ == "_fwd_hopper_kernel" else 2 * m  # q's box per load: a warpgroup's rows, or dQ's program
     kb = n if constexprs.get("WGS", 2) == 2 else 64  # the dK/dV kernel's k and v boxes per load
     boxes = {  # per kernel: descriptor -> box
         "_bwd_dkdv_hopper_kernel": {"k_desc": (kb, d), "v_desc": (kb, d), "q_desc": (m, d), "do_desc": (m, d),
@@ -146,7 +154,9 @@ def pass_signature(fn):
     return sig, {a for a in fn.arg_names if a in ("sxd", "syd", "std")}, attrs
 
 
-def usage(fn, constexprs, warps, stages, maxnreg=None):
+def usage(fn, constexprs, warps, stages, maxnreg=None, ptxas_log=True):
+    """The kernel's sm_90 resource usage, SASS and PTX; ptxas_log=False skips ptxas's second run for its verdict
+    on the wgmma pipeline ("serialized" then reads "no")."""
     if fn in (_quantize_kernel, _center_rotate_kernel):
         sig, unit, attrs = pass_signature(fn)
         sig.update({a: "constexpr" for a in constexprs})
@@ -175,11 +185,13 @@ def usage(fn, constexprs, warps, stages, maxnreg=None):
     # ptxas's own verdict on the wgmma pipeline: C7510-C7520 "wgmma.mma_async instructions are serialized due to
     # ..." means it waits after every wgmma (Triton does not show ptxas's info lines); the ptxas Triton ran (3.9:
     # CUDA 13's ptxas-blackwell, whose PTX version the bundled CUDA 12 ptxas refuses)
-    with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
-        f.write(c.asm["ptx"])
-        f.flush()
-        log = subprocess.run([KL.sm90_ptxas(), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
-                             capture_output=True, text=True).stderr
+    log = ""
+    if ptxas_log:
+        with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
+            f.write(c.asm["ptx"])
+            f.flush()
+            log = subprocess.run([KL.sm90_ptxas(), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+                                 capture_output=True, text=True).stderr
     serialized = re.findall(r"serialized due to ([^']*?) in the function", log)
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
@@ -314,6 +326,108 @@ def common(d, fp8, causal, groups=1):
                 INTERP=False, GROUPS=groups)
 
 
+KERNELS = {"_fwd_kernel": "fwd", "_bwd_dq_kernel": "dq", "_bwd_dkdv_kernel": "dkdv", "_fwd_hopper_kernel": "hopper_fwd",
+           "_bwd_dq_hopper_kernel": "hopper_dq", "_bwd_dkdv_hopper_kernel": "hopper"}
+
+
+def default_cases():
+    """{name: ops.forward / ops.backward inputs} of the --hash cases (see the module docstring)."""
+    cases = {}
+    for d in (64, 128):
+        for causal in (True, False):
+            for hq, hkv in ((4, 4), (16, 4)):
+                for n in (8192, 8000):
+                    for precision in ("fp8", "bf16"):
+                        for delta in ("matching", "stale"):
+                            if precision == "bf16" and (n == 8192 or hq != hkv):
+                                continue  # bf16 runs the Triton kernels at every shape: one shape suffices
+                            name = f"d{d}-{'causal' if causal else 'full'}-h{hq}:{hkv}-n{n}-{precision}-{delta}"
+                            cases[name] = dict(d=d, causal=causal, hq=hq, hkv=hkv, n=n, precision=precision,
+                                               delta=delta)
+        for hq, hkv in ((4, 4), (16, 4)):
+            for delta in ("matching", "stale"):
+                cases[f"d{d}-packed-h{hq}:{hkv}-{delta}"] = dict(d=d, causal=True, hq=hq, hkv=hkv, n=8000,
+                                                                 varlen=(3000, 4000, 1000), delta=delta)
+    for d in (64, 128):  # the rarer inputs after the common ones
+        cases[f"d{d}-varlen-unaligned"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3001, 3999, 1000))
+        cases[f"d{d}-varlen-full"] = dict(d=d, causal=False, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000))
+        cases[f"d{d}-window"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, window=1024)
+        cases[f"d{d}-e5m2"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, grad_format="e5m2")
+        cases[f"d{d}-block64"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, block=64)
+    for causal in (True, False):
+        for precision in ("fp8", "bf16"):
+            cases[f"d256-{'causal' if causal else 'full'}-{precision}"] = dict(d=256, causal=causal, hq=4, hkv=4,
+                                                                              n=8192, precision=precision)
+    cases["mla-192:128"] = dict(d=192, dv=128, causal=True, hq=4, hkv=4, n=8192)
+    cases["d128-gqa-full-stale"] = dict(d=128, causal=False, hq=16, hkv=4, n=8192, delta="stale")
+    return cases
+
+
+def record_launches(case):
+    """[(kernel function, constexprs, warps, stages, maxnreg)] that ops.forward then ops.backward launch for `case`
+    (default_cases), with kernels.TUNE as it stands. CPU tensors stand in for the GPU's; JITFunction.run records
+    each launch and returns without running it, and launch._hopper_case sees an sm_90 device and Triton 3.6."""
+    import torch
+    from triton.runtime.jit import JITFunction
+    from hf_deltamatch.config import DeltaMatchConfig
+    launches = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if self.__name__ in KERNELS:
+            opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+            launches.append((self, kwargs, opts.get("num_warps", 4), opts.get("num_stages", 3), opts.get("maxnreg")))
+
+    hopper_case = KL._hopper_case
+
+    def sm90_case(**kw):
+        saved, triton.__version__ = triton.__version__, "3.6.0"
+        try:
+            return hopper_case(**{**kw, "device": torch.device("cuda")})
+        finally:
+            triton.__version__ = saved
+
+    saved = JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability
+    JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = run, sm90_case, lambda *a: (9, 0)
+    try:
+        d, dv, n = case["d"], case.get("dv", case["d"]), case["n"]
+        B = 1 if "varlen" in case else 2
+        q = torch.zeros(B, case["hq"], n, d, dtype=torch.bfloat16)
+        k = torch.zeros(B, case["hkv"], n, d, dtype=torch.bfloat16)
+        v = torch.zeros(B, case["hkv"], n, dv, dtype=torch.bfloat16)
+        cu = None
+        if "varlen" in case:
+            lengths = torch.tensor((0, *case["varlen"]))
+            cu = torch.cumsum(lengths, 0).to(torch.int32)
+            assert int(cu[-1]) == n
+        config = DeltaMatchConfig(precision=case.get("precision", "fp8"), delta=case.get("delta", "matching"),
+                                  block=case.get("block", 128), grad_format=case.get("grad_format", "e4m3"))
+        kw = dict(causal=case["causal"], softmax_scale=None, window=case.get("window"), cu_seqlens_q=cu,
+                  cu_seqlens_k=cu, config=config)
+        out, lse, q8, k8, v8, sq, sk, sv = KO.forward(q, k, v, **kw)
+        KO.backward(torch.zeros_like(out), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, **kw)
+    finally:
+        JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = saved
+    return launches
+
+
+def hash_defaults(path):
+    """--hash: every default_cases() launch's kernel, constexprs and SASS hash into `path`, one line each (each
+    distinct kernel compiled once)."""
+    if KO.INTERPRET:
+        raise SystemExit("--hash compiles for sm_90: unset TRITON_INTERPRET")
+    compiled = {}
+    with open(path, "w") as f:
+        for name, case in default_cases().items():
+            for fn, cx, warps, stages, maxnreg in record_launches(case):
+                key = (fn.__name__, tuple(sorted(cx.items())), warps, stages, maxnreg)
+                if key not in compiled:
+                    compiled[key] = usage(fn, dict(cx), warps, stages, maxnreg, ptxas_log=False)["sass_md5"]
+                    print(f"{name:32s} {KERNELS[fn.__name__]:10s} sass={compiled[key]} (compiled)", flush=True)
+                f.write(f"{name} {KERNELS[fn.__name__]} warps={warps} stages={stages} maxnreg={maxnreg} "
+                        f"sass={compiled[key]} {dict(sorted(cx.items()))}\n")
+                f.flush()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--kernels", default="fwd,dq,dkdv")
@@ -332,7 +446,12 @@ def main():
     p.add_argument("--dkdv-pipe", choices=("on", "fresh", "off"),
                    help="the Gluon dK/dV kernel's pipelined dK MMA (dkdv_hopper.pipe_mode 1), with a fresh dP^T "
                         "accumulator (2), or off, whatever launch.py would choose")
+    p.add_argument("--hash", metavar="FILE", help="write every default path's kernels and their SASS hashes to FILE "
+                                                  "(the module docstring); the other options are ignored")
     args = p.parse_args()
+    if args.hash:
+        hash_defaults(args.hash)
+        return
     fp8 = not args.bf16
     for var in args.variants.split(";"):
         K.TUNE.clear()
@@ -340,18 +459,16 @@ def main():
         causal = not args.full
         c = common(args.d, fp8, causal, args.groups)
         fm, fw, fs = KL._fwd_launch_cfg(args.d, args.d, fp8)
-        kv_n = KL._dkdv_block_n(args.block, args.d, KL._dkdv_ds_scales(args.d, fp8))
+        kv_n = KL._dkdv_block_n(args.block, args.d, KL._dkdv_ds_scales(args.d, fp8, args.groups > 1))
         dm, dw, ds, kw, ks = KL._bwd_launch_cfg(args.d, args.d, fp8, kv_n, args.block)
         bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
-        wait = {k: dict(WAIT_MMA=KL._wait_mma(k, args.d), ASM_SCALES=KL._asm_scales(k, args.d))
-                for k in ("fwd", "dq", "dkdv")}
+        wait = {k: dict(ASM_SCALES=KL._asm_scales(k, args.d, causal)) for k in ("fwd", "dq", "dkdv")}
         wait["dq"]["SCALE_AFTER_SUM"] = KL._scale_after_sum(args.d)
         lse2, shift = KL._dkdv_lse2(args.d), KL._dkdv_p_shift(args.d, fp8)
         wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
-        dss = KL._dkdv_ds_scales(args.d, fp8)
+        dss = KL._dkdv_ds_scales(args.d, fp8, args.groups > 1)
         wait["dq"]["DSS_OUT"] = dss
-        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=KL._dkdv_parts(args.d)[-1], DSS_IN=dss,
-                            FOLD=KL._dkdv_fold_ds_scale(args.d, dss))
+        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=KL._dkdv_parts(args.d)[-1], DSS_IN=dss)
         jobs = {
             "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
                                       TMA=KL._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),
@@ -359,8 +476,7 @@ def main():
                                         ROW_SUMS=False, DS_Q=KO.DS_TILE_Q, ONE_TILE=dm == KO.DS_TILE_Q,
                                         TMA=KL._use_tma("dq", fp8, args.d, args.d), **wait["dq"]), dw, ds),
             "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=KO.DS_TILE_Q,
-                                            BLOCK_N=kv_n, DS_K=args.block,
-                                            TMA=KL._use_tma("dkdv", fp8, args.d, args.d), **wait["dkdv"]), kw, ks),
+                                            BLOCK_N=kv_n, DS_K=args.block, **wait["dkdv"]), kw, ks),
         }
         # the q/k quantization pass of a dense batch (row-major copy and scales), plain and with the fused outlier
         # transforms (kernels/transform.py), with the launcher's warps; the transforms' backward pass over dk
@@ -382,7 +498,7 @@ def main():
             if args.dkdv_pipe:
                 cfg["pipe"], cfg["fresh_dp"] = args.dkdv_pipe != "off", args.dkdv_pipe == "fresh"
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
-                                                            STAGES=cfg["stages"], FOLD=cfg["fold"],
+                                                            STAGES=cfg["stages"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
                                                             REGS=cfg["regs"],
                                                             PAIRS=cfg["pairs"], PEEL=cfg["peel"],
@@ -397,10 +513,10 @@ def main():
                 VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"]), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
-            cfg = KL._fwd_hopper_cfg(args.d)
+            cfg = KL._fwd_hopper_cfg()
             jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                            STAGES=cfg["stages"], VARLEN=args.varlen,
-                                                           WGS=cfg["warpgroups"], REGS=cfg["regs"]), 4, 1)
+                                                           REGS=cfg["regs"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, KL._maxnreg(name).get("maxnreg"))

@@ -195,7 +195,7 @@ def test_tma_and_pointer_paths_agree():
     whose sequence starts are multiples of 16, head dims <= 128) and through masked pointer loads elsewhere.
     Both against the reference, and bit-identical to each other (the same products in the same order)."""
     assert KL._use_tma("fwd", True, 128, 128) and not KL._use_tma("dq", False, 128, 128)
-    assert not KL._use_tma("fwd", True, 192, 128) and not KL._use_tma("dkdv", True, 128, 128)
+    assert not KL._use_tma("fwd", True, 192, 128)
     assert not KL._use_tma("fwd", True, 64, 64, starts_aligned=False)
     z = torch.zeros(1, 1, 300, 64)
     cu = torch.tensor([0, 96, 160, 300], dtype=torch.int32)
@@ -205,7 +205,7 @@ def test_tma_and_pointer_paths_agree():
     assert KO._seq_info(z, z, None, None)[5] is True
     cases = [dict(N=200, M=230), dict(N=130, causal=False, Hq=4, Hkv=2),
              dict(N=300, M=320, cu=([0, 96, 160, 280], [0, 128, 176, 300]), window=50)]
-    K.TUNE.update(fwd_tma=True, dq_tma=True, dkdv_tma=True)  # every kernel's TMA path, at D=64 too
+    K.TUNE.update(fwd_tma=True, dq_tma=True)  # both kernels' TMA paths, at D=64 too
     try:
         for case in cases:
             _run(**case, row_sums=False)
@@ -275,10 +275,11 @@ def test_quantize_k_order(monkeypatch, fused):
         Q.quantize(x[:, :, :100], 64, transposed=True, k_order=True)
 
 
-def test_correction_pass_scale_after_sum():
+def test_correction_pass_scale_after_sum(monkeypatch):
     """The correction pass scaling each key tile's row sums of P * dP by the tile's dP scale instead of every dP
-    (TUNE dq_scale_after_sum): the same contract, and the invariant still at fp32 rounding."""
-    K.TUNE.update(dq_scale_after_sum=True)
+    (launch.SCALE_AFTER_SUM_HEAD_DIMS, D 128 and 256; here at the interpreter's D=64): the same contract, and the
+    invariant still at fp32 rounding."""
+    monkeypatch.setattr(KL, "SCALE_AFTER_SUM_HEAD_DIMS", (64,))
     try:
         resid = _run(N=256, causal=True, seed=3)
         _run(N=200, M=230, causal=False, Hq=4, Hkv=2, block=64, row_sums=False)
@@ -306,39 +307,29 @@ def test_dkdv_lse2_and_p256(tune):
 
 
 @pytest.mark.parametrize("group", [2, 3, 100])
-def test_head_groups(group):
-    """Each kernel's grid handing out heads in groups (TUNE <kernel>_head_group; 3 leaves a partial last group,
-    100 means all heads at once): the same results, dense with GQA and varlen."""
-    K.TUNE.update(fwd_head_group=group, dq_head_group=group, dkdv_head_group=group)
-    try:
-        assert KL._grid("dkdv", 5, 4, 2, True) == ((20, 1, 2), 5, min(group, 4))
-        _run(N=200, M=230, causal=True, Hq=4, Hkv=2, row_sums=False)
-        if group == 3:
-            cu = [0, 70, 71, 200, 260]
-            _run(N=260, cu=(cu, cu), Hq=4, row_sums=False)
-    finally:
-        K.TUNE.clear()
-    from hf_deltamatch.kernels.launch import HEAD_GROUP_CAUSAL
-    assert KL._grid("dq", 5, 16, 1, True)[2] == HEAD_GROUP_CAUSAL["dq"] and KL._grid("dq", 5, 16, 1, False)[2] == 1
-    with pytest.raises(ValueError, match="head_group"):
-        K.TUNE.update(fwd_head_group=0)
-        try:
-            KL._grid("fwd", 5, 4, 1, True)
-        finally:
-            K.TUNE.clear()
-
-
-def test_dkdv_split_into_dv_and_dk_launches():
-    """dV and dK from two launches of the dK/dV kernel (TUNE dkdv_split): the same contract in fp8 and bf16, with
-    GQA, varlen, a window and the stale delta."""
-    K.TUNE.update(dkdv_split=True)
-    try:
-        _run(N=200, M=230, causal=True, Hq=4, Hkv=2, row_sums=False)
-        _run(N=200, M=220, window=70, precision="bf16", row_sums=False)
+def test_head_groups(monkeypatch, group):
+    """Each kernel's causal grid handing out heads in groups (launch.HEAD_GROUP_CAUSAL, set to `group` here; 3
+    leaves a partial last group, 100 means all heads at once): the same results, dense with GQA and varlen. The
+    full mask hands them out one by one."""
+    for kernel in KL.HEAD_GROUP_CAUSAL:
+        monkeypatch.setitem(KL.HEAD_GROUP_CAUSAL, kernel, group)
+    assert KL._grid("dkdv", 5, 4, 2, True) == ((20, 1, 2), 5, min(group, 4))
+    assert KL._grid("dq", 5, 16, 1, False)[2] == 1
+    _run(N=200, M=230, causal=True, Hq=4, Hkv=2, row_sums=False)
+    if group == 3:
         cu = [0, 70, 71, 200, 260]
-        _run(N=260, cu=(cu, cu), row_sums=False, delta="stale", causal=False)
-    finally:
-        K.TUNE.clear()
+        _run(N=260, cu=(cu, cu), Hq=4, row_sums=False)
+
+
+def test_dkdv_split_into_dv_and_dk_launches(monkeypatch):
+    """dV and dK from two launches of the dK/dV kernel (above launch.DKDV_SPLIT_ABOVE = 128; here at the
+    interpreter's D=64): the same contract in fp8 and bf16, with GQA, varlen, a window and the stale delta."""
+    monkeypatch.setattr(KL, "DKDV_SPLIT_ABOVE", 32)
+    assert KL._dkdv_parts(64) == (1, 2)
+    _run(N=200, M=230, causal=True, Hq=4, Hkv=2, row_sums=False)
+    _run(N=200, M=220, window=70, precision="bf16", row_sums=False)
+    cu = [0, 70, 71, 200, 260]
+    _run(N=260, cu=(cu, cu), row_sums=False, delta="stale", causal=False)
 
 
 def _fwd_bwd_tma_vs_pointers():
@@ -354,7 +345,7 @@ def _fwd_bwd_tma_vs_pointers():
 
     tma = fwd_bwd()
     saved = dict(K.TUNE)
-    K.TUNE.update(fwd_tma=False, dq_tma=False, dkdv_tma=False)
+    K.TUNE.update(fwd_tma=False, dq_tma=False)
     try:
         ptr = fwd_bwd()
         _run(N=150, row_sums=False)  # the pointer paths against the reference
@@ -374,7 +365,7 @@ def test_backward_non_contiguous_saved_tensors_take_pointer_path():
     f = R.forward(q, k, v, **kw)
     strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in f[2:5]]  # same values, (B, N, H, D) storage
     assert not strided[0].is_contiguous()
-    K.TUNE.update(dq_tma=True, dkdv_tma=True)
+    K.TUNE.update(dq_tma=True)
     try:
         want = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
         got = K.backward(do, q, k, v, f[0], f[1], *strided, *f[5:], **kw)
@@ -421,24 +412,25 @@ def test_unknown_tune_key_is_refused():
     K.forward(q, q, q, **kw)
 
 
-@pytest.mark.parametrize("dq_cfg,block_n,fold", [(None, None, False), ((128, 8, 2), None, False), (None, 32, False),
-                                                  (None, 32, True)])
-def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg, block_n, fold):
-    """The dK/dV kernel taking each dS tile's scale from the dQ kernel instead of its own absmax (TUNE
-    dkdv_ds_scales): the same contract with GQA, a window, varlen (unaligned starts, a one-token sequence), the
-    stale delta, 128-row dQ blocks (two dS tiles per block, the second past a sequence's end), dK/dV programs
-    of fewer keys than a dS tile (TUNE dkdv_block_n) and the scale folded into dP's and delta (TUNE
-    dkdv_fold_ds_scale), and dK equal to the dK/dV kernel's own-absmax dK up to fp32
-    rounding (a misplaced scale changes the fp8 rounding by percents)."""
+@pytest.mark.parametrize("dq_cfg", [None, (128, 8, 2)])
+def test_dkdv_reads_the_dq_kernels_ds_scales(monkeypatch, dq_cfg):
+    """The dK/dV kernel taking each dS tile's scale from the dQ kernel instead of its own absmax (at D=64 with and
+    without GQA, launch.DKDV_DS_SCALES_*; off here by emptying those tables, as at D=256): the same contract with
+    GQA, a window, varlen (unaligned starts, a one-token sequence), the stale delta, 128-row dQ blocks (two dS
+    tiles per block, the second past a sequence's end), dK/dV programs of 64 keys, fewer than a 128-key dS tile
+    (launch.DKDV_BLOCK_N), and dK equal to the dK/dV kernel's own-absmax dK up to fp32 rounding (a misplaced
+    scale changes the fp8 rounding by percents)."""
     cu = [0, 70, 71, 200, 260]
     runs = [dict(N=200, M=230, causal=True, Hq=4, Hkv=2), dict(N=200, M=220, window=70, block=64),
             dict(N=260, cu=(cu, cu), delta="stale", causal=False), dict(N=260, cu=(cu, cu), Hq=2, Hkv=1)]
     for kw in runs:
         grads = []
         for on in (True, False):
-            K.TUNE.update(dkdv_ds_scales=on, **({"dq": dq_cfg} if dq_cfg else {}),
-                          **({"dkdv_block_n": block_n, "dkdv_fold_ds_scale": fold} if block_n and on else {}))
+            for table in ("DKDV_DS_SCALES_HEAD_DIMS", "DKDV_DS_SCALES_GQA_HEAD_DIMS"):
+                monkeypatch.setattr(KL, table, (64,) if on else ())
+            K.TUNE.update({"dq": dq_cfg} if dq_cfg else {})
             try:
+                assert KL._dkdv_block_n(kw.get("block", 128), 64, on) == (64 if on else kw.get("block", 128))
                 _run(row_sums=False, **kw)
                 g = torch.Generator().manual_seed(1)
                 B, Hq, Hkv, N = 1, kw.get("Hq", 2), kw.get("Hkv", 1), kw["N"]
@@ -455,16 +447,6 @@ def test_dkdv_reads_the_dq_kernels_ds_scales(dq_cfg, block_n, fold):
                 K.TUNE.clear()
         for name, a, b in zip(("dq", "dk", "dv"), *grads):
             assert _rel(a, b) <= 1e-5, (name, kw, _rel(a, b))
-
-
-def test_dkdv_block_n_needs_the_ds_scales():
-    """A dK/dV program smaller than a dS tile cannot find the tile's scale itself: refused, with what to do."""
-    K.TUNE.update(dkdv_ds_scales=False, dkdv_block_n=64)
-    try:
-        with pytest.raises(ValueError, match="dkdv_ds_scales"):
-            _run(N=64, row_sums=False)
-    finally:
-        K.TUNE.clear()
 
 
 def test_gluon_kernels_by_head_dim(monkeypatch):
@@ -575,7 +557,7 @@ def test_dkdv_hopper_peel_and_ahead_by_case():
     """The dK/dV kernel's diagonal peel applies to dense causal batches without GQA only, by default by its number
     of MMA warpgroups (DKDV_HOPPER_PEEL; asking for it on a packed batch or with GQA is an error, on the full mask
     it is moot), and with GQA the scales are always loaded a tile ahead (the loop counts the group's heads that
-    way), else by default on dense batches by warpgroups (DKDV_HOPPER_AHEAD)."""
+    way), else on dense batches by warpgroups (DKDV_HOPPER_AHEAD)."""
     from hf_deltamatch.kernels import launch
     for d in (64, 128):
         wgs = launch.DKDV_HOPPER_WARPGROUPS[d][0]
@@ -583,17 +565,17 @@ def test_dkdv_hopper_peel_and_ahead_by_case():
             cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=groups, packed=packed)
             assert cfg["peel"] == (launch.DKDV_HOPPER_PEEL[wgs] and causal and groups == 1 and not packed)
             assert cfg["ahead"] == (groups > 1 or (launch.DKDV_HOPPER_AHEAD[wgs] and not packed))
-    K.TUNE.update(dkdv_hopper_peel=True, dkdv_hopper_ahead=True)
+    K.TUNE.update(dkdv_hopper_peel=True)
     try:
         for wgs in ((2, 240), (3, 160)):
             K.TUNE["dkdv_hopper_wgs"] = wgs
             cfg = launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)
-            assert cfg["peel"] and cfg["ahead"] and cfg["pairs"] == (wgs[0] == 2)
+            assert cfg["peel"] and cfg["pairs"] == (wgs[0] == 2) and cfg["ahead"] == launch.DKDV_HOPPER_AHEAD[wgs[0]]
             assert not launch._dkdv_hopper_cfg(128, causal=False, groups=1, packed=False)["peel"]
         for groups, packed in ((4, False), (1, True)):
             with pytest.raises(ValueError, match="dkdv_hopper_peel"):
                 launch._dkdv_hopper_cfg(128, causal=True, groups=groups, packed=packed)
-        K.TUNE.update(dkdv_hopper_ahead=False, dkdv_hopper_peel=False)
+        K.TUNE.update(dkdv_hopper_peel=False)
         assert launch._dkdv_hopper_cfg(128, causal=True, groups=4, packed=False)["ahead"]
     finally:
         K.TUNE.clear()
@@ -601,11 +583,11 @@ def test_dkdv_hopper_peel_and_ahead_by_case():
 
 @pytest.mark.parametrize("ptxas", [12, 13])
 def test_dkdv_hopper_pipe_by_case(monkeypatch, ptxas):
-    """The dK/dV kernel's pipelined dK MMA (DKDV_HOPPER_PIPE, by MMA warpgroups): by default with two warpgroups
-    (D=128) on dense batches without GQA, causal or not; never on packed batches, nor with three warpgroups (D=64)
-    and GQA, where asking for it through TUNE is an error; TUNE may switch it on with GQA (two warpgroups) and with
-    three warpgroups without GQA. Where Triton's sm_90 ptxas is CUDA 13 or later (it miscompiled the pipelined
-    MMA's operand) it is off by default, and TUNE switches on the form with a fresh dP^T accumulator (fresh_dp)."""
+    """The dK/dV kernel's pipelined dK MMA (DKDV_HOPPER_PIPE): with two warpgroups (D=128, or D=64 with TUNE
+    dkdv_hopper_wgs) on dense batches without GQA, causal or not; never on packed batches, with GQA, nor with three
+    warpgroups (D=64, or D=128 with TUNE dkdv_hopper_wgs). Where Triton's sm_90 ptxas is CUDA 13 or later (it
+    miscompiled the pipelined MMA's operand) it is off by default, and TUNE dkdv_hopper_pipe switches on the form
+    with a fresh dP^T accumulator (fresh_dp); asking for it where it does not fit is an error."""
     from hf_deltamatch.kernels import launch
     from hf_deltamatch.kernels.dkdv_hopper import pipe_mode
     monkeypatch.setattr(launch, "_sm90_ptxas_major", lambda: ptxas)
@@ -623,14 +605,21 @@ def test_dkdv_hopper_pipe_by_case(monkeypatch, ptxas):
     for d, causal, groups, packed in ((128, True, 1, False), (128, False, 1, False), (128, True, 4, False),
                                       (128, True, 1, True), (64, True, 1, False), (64, False, 1, False)):
         cfg = launch._dkdv_hopper_cfg(d, causal=causal, groups=groups, packed=packed)
-        want = launch.DKDV_HOPPER_PIPE[cfg["warpgroups"]] and groups == 1 and not packed
+        want = cfg["warpgroups"] == 2 and groups == 1 and not packed
         assert cfg["pipe"] == want and not cfg["fresh_dp"], (d, causal, groups, packed)
         assert pipe_mode(cfg["pipe"], cfg["fresh_dp"]) == int(want)
+    for wgs, want in (((2, 240), True), ((3, 160), False)):
+        K.TUNE["dkdv_hopper_wgs"] = wgs
+        try:
+            for d in (64, 128):
+                assert launch._dkdv_hopper_cfg(d, causal=True, groups=1, packed=False)["pipe"] == want
+                assert not launch._dkdv_hopper_cfg(d, causal=True, groups=4, packed=False)["pipe"]
+                assert not launch._dkdv_hopper_cfg(d, causal=True, groups=1, packed=True)["pipe"]
+        finally:
+            K.TUNE.clear()
     K.TUNE.update(dkdv_hopper_pipe=True)
     try:
-        assert launch._dkdv_hopper_cfg(128, causal=True, groups=4, packed=False)["pipe"]
-        assert launch._dkdv_hopper_cfg(64, causal=True, groups=1, packed=False)["pipe"]
-        for d, groups, packed in ((64, 2, False), (128, 1, True), (64, 1, True)):
+        for d, groups, packed in ((128, 4, False), (128, 1, True), (64, 1, False)):
             with pytest.raises(ValueError, match="dkdv_hopper_pipe"):
                 launch._dkdv_hopper_cfg(d, causal=True, groups=groups, packed=packed)
     finally:
@@ -638,8 +627,8 @@ def test_dkdv_hopper_pipe_by_case(monkeypatch, ptxas):
 
 
 def test_dq_hopper_pipe_option():
-    """The dQ kernel's pipelined second pass: by head dim on the full mask only (DQ_HOPPER_PIPE_FULL), or TUNE
-    dq_hopper_pipe, which refuses ping-pong mode 2 (whose turns would then hold each dQ MMA a tile late)."""
+    """The dQ kernel's pipelined second pass: by head dim on the full mask only (DQ_HOPPER_PIPE_FULL), with its ring
+    depth (DQ_HOPPER_PIPE_STAGES) unless TUNE dq_hopper_stages sets one."""
     from hf_deltamatch.kernels import launch
     for d in (64, 128):
         for causal in (True, False):
@@ -648,14 +637,10 @@ def test_dq_hopper_pipe_option():
             assert cfg["pingpong"] == launch.DQ_HOPPER_PINGPONG.get(d, 0)
             assert cfg["stages"] == (launch.DQ_HOPPER_PIPE_STAGES.get(d, launch.DQ_HOPPER_STAGES) if cfg["pipe"]
                                      else launch.DQ_HOPPER_STAGES)
-    K.TUNE.update(dq_hopper_pipe=True, dq_hopper_pingpong=1, dq_hopper_stages=2)
+    K.TUNE.update(dq_hopper_stages=2)
     try:
-        assert launch._dq_hopper_cfg(64, True) == dict(stages=2, pingpong=1, pipe=True)
-        K.TUNE["dq_hopper_pingpong"] = 2
-        with pytest.raises(ValueError, match="dq_hopper_pipe"):
-            launch._dq_hopper_cfg(128, False)
-        del K.TUNE["dq_hopper_pipe"]  # mode 2 asked for alone: the full mask's default pipeline yields to it
-        assert not launch._dq_hopper_cfg(128, False)["pipe"]
+        assert launch._dq_hopper_cfg(64, False) == dict(stages=2, pingpong=launch.DQ_HOPPER_PINGPONG.get(64, 0),
+                                                        pipe=True)
     finally:
         K.TUNE.clear()
 
@@ -681,10 +666,6 @@ def test_gluon_kernels_only_where_they_apply():
         got = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
     finally:
         K.TUNE.clear()
-    K.TUNE["dkdv_ds_scales"] = True  # what the request implies for the dQ kernel
-    try:
-        want = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
-    finally:
-        K.TUNE.clear()
+    want = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

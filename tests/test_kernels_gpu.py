@@ -120,13 +120,13 @@ def test_varlen_tma_aligned_starts():
 
 def test_tma_equals_pointer_paths_on_tail_tiles():
     """Dense N = 4000 (not whole 128-token tiles): TMA tiles past a head's end read the zero rows the heads of q8,
-    k8, v8, dO8 are padded with (ops._tma_rows); the same bits as the pointer loads."""
+    k8, v8 are padded with (ops._tma_rows); the same bits as the pointer loads."""
     q, k, v, do = _inputs(2, 8, 2, 4000, 4000, 128, 128, torch.bfloat16)
     kw = dict(causal=True, softmax_scale=128 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
               config=DeltaMatchConfig())
     runs = []
     for on in (True, False):
-        K.TUNE.update(fwd_tma=on, dq_tma=on, dkdv_tma=on)
+        K.TUNE.update(fwd_tma=on, dq_tma=on)
         try:
             f = K.forward(q, k, v, **kw)
             runs.append((*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)))
@@ -136,7 +136,7 @@ def test_tma_equals_pointer_paths_on_tail_tiles():
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
-def test_tma_equals_pointer_paths():
+def test_tma_equals_pointer_paths(monkeypatch):
     q, k, v, do = _inputs(2, 8, 2, 4096, 4096, 128, 128, torch.bfloat16)
     kw = dict(causal=True, softmax_scale=128 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
               config=DeltaMatchConfig())
@@ -145,20 +145,20 @@ def test_tma_equals_pointer_paths():
         f = K.forward(q, k, v, **kw)
         return (*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
 
-    tma = dict(fwd_tma=True, dq_tma=True, dkdv_tma=True)
-    # where the kernels wait on their MMAs and how they read scales changes no bit
-    flipped = {o: v for k in ("fwd", "dq", "dkdv")
-               for o, v in ((f"{k}_wait_mma", not KL._wait_mma(k, 128)),
-                            (f"{k}_asm_scales", not KL._asm_scales(k, 128)))}
+    tma = dict(fwd_tma=True, dq_tma=True)
     runs = {}
-    for name, tune in {"tma": tma, "pointers": dict(fwd_tma=False, dq_tma=False, dkdv_tma=False),
-                       "tma, MMA waits and scale loads flipped": dict(tma, **flipped)}.items():
+    for name, tune in {"tma": tma, "pointers": dict(fwd_tma=False, dq_tma=False),
+                       "tma, scale loads flipped": tma}.items():
+        if name == "tma, scale loads flipped":  # how the loops read their scales changes no bit (D=128: inline PTX)
+            assert all(KL._asm_scales(k, 128) for k in KL.ASM_SCALES_HEAD_DIMS)
+            monkeypatch.setattr(KL, "ASM_SCALES_HEAD_DIMS", {k: () for k in KL.ASM_SCALES_HEAD_DIMS})
         K.TUNE.update(tune, dkdv_hopper=False, dq_hopper=False)  # the Triton kernels, not the Gluon ones at D=128
         try:
             runs[name] = fwd_bwd()
         finally:
             K.TUNE.clear()
-    for name in ("pointers", "tma, MMA waits and scale loads flipped"):
+    monkeypatch.undo()
+    for name in ("pointers", "tma, scale loads flipped"):
         for a, b in zip(runs["tma"], runs[name]):
             assert torch.equal(a, b), name
     K.TUNE.update(dkdv_hopper=False, dq_hopper=False)  # and the Triton kernels against the reference at D=128
@@ -213,45 +213,38 @@ def test_invariant_residual(N):
     assert res["stale"] > 100 * res["matching"]
 
 
-def test_correction_pass_scale_after_sum():
-    """The correction pass scaling row sums instead of every dP (TUNE dq_scale_after_sum): the same tolerances,
-    the invariant at 8K still at fp32 rounding."""
-    K.TUNE.update(dq_scale_after_sum=True)
-    try:
-        _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
-        _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, causal=False)
-        res = _invariant(8192)
-    finally:
-        K.TUNE.clear()
+def test_correction_pass_scale_after_sum(monkeypatch):
+    """The correction pass scaling row sums instead of every dP (launch.SCALE_AFTER_SUM_HEAD_DIMS; D=64 added
+    here): the same tolerances, the invariant at 8K still at fp32 rounding."""
+    monkeypatch.setattr(KL, "SCALE_AFTER_SUM_HEAD_DIMS", (64, 128, 256))
+    _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
+    _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, causal=False)
+    res = _invariant(8192)
     assert res["matching"] <= 1e-5
 
 
 def test_dkdv_lse2_and_p256():
     """The dK/dV kernel reading the dQ kernel's LSE2 and taking P * 256 straight from exp2 (TUNE dkdv_lse2,
-    dkdv_p256): the same tolerances, full and causal, D 64, 128 and 256 (with dq_scale_after_sum), GQA, and the
-    pointer and TMA paths."""
+    dkdv_p256): the same tolerances, full and causal, D 64, 128 and 256, GQA, and the stale delta."""
     K.TUNE.update(dkdv_lse2=True, dkdv_p256=True)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, causal=False)
-        K.TUNE["dq_scale_after_sum"] = True
         _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256)
-        K.TUNE["dkdv_tma"] = True
         _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, delta="stale")
     finally:
         K.TUNE.clear()
 
 
-@pytest.mark.parametrize("stages,fold,wgs64", [(2, False, {64: (2, 240)}), (3, True, {64: (2, 240)}),
-                                               (3, True, {64: (3, 160)})],
-                         ids=["s2-wg2", "s3-fold-wg2", "s3-fold-wg3"])
-def test_dkdv_hopper_kernel(stages, fold, wgs64):
+@pytest.mark.parametrize("stages,wgs64", [(2, {64: (2, 240)}), (3, {64: (2, 240)}), (3, {64: (3, 160)})],
+                         ids=["s2-wg2", "s3-wg2", "s3-wg3"])
+def test_dkdv_hopper_kernel(stages, wgs64):
     """The Gluon dK/dV kernel (dkdv_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)
     and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
     order differs), causal and full, D 64 and 128, GQA; dQ is untouched. At D=64 with programs of two or three
     warpgroups (`wgs64`; three: 192 keys, which do not divide N at 1024 or 1280)."""
     _skip_unless_gluon_triton()
-    opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_fold=fold, dkdv_hopper_wgs=wgs64)
+    opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_wgs=wgs64)
     K.TUNE.update(dkdv_hopper=True, dq_hopper=False, **opts)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
@@ -280,13 +273,16 @@ def _gluon_vs_triton(gluon, opts, seed):
                     device=q.device, lse2_in=True, p_shift=8)
         f = K.forward(q, k, v, **kw)
         grads = {}
-        for name, tune in (("triton", dict(dkdv_ds_scales=True, dkdv_hopper=False, dq_hopper=False)),
-                           ("gluon", gluon)):
+        for name, tune in (("triton", dict(dkdv_hopper=False, dq_hopper=False)), ("gluon", gluon)):
             K.TUNE.update(tune, **opts)
+            mp = pytest.MonkeyPatch()
             try:  # the Gluon run must not fall back to Triton, or the comparison proves nothing
                 assert (KL._dkdv_hopper(D, **case) or KL._dq_hopper(D, stale=False, **case)) == (name == "gluon")
+                # the Triton dK/dV kernel reads the dQ kernel's dS scales, with GQA at D=128 too
+                mp.setattr(KL, "DKDV_DS_SCALES_GQA_HEAD_DIMS", KL.DKDV_DS_SCALES_HEAD_DIMS)
                 grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
+                mp.undo()
                 K.TUNE.clear()
         errs = [_rel(a, b) for a, b in zip(grads["gluon"], grads["triton"])]
         print("GLUON vs TRITON", gluon, B, Hq, Hkv, N, D, causal, opts, errs)
@@ -294,15 +290,16 @@ def _gluon_vs_triton(gluon, opts, seed):
     return out
 
 
-@pytest.mark.parametrize("stages,pingpong", [(2, 0), (3, 0), (3, 1), (3, 2), (4, 0)])
-def test_dq_hopper_kernel(stages, pingpong):
+@pytest.mark.parametrize("stages,pingpong", [(2, 0), (3, 0), (3, 1), (4, 0)])
+def test_dq_hopper_kernel(monkeypatch, stages, pingpong):
     """The Gluon dQ kernel with the correction pass (dq_hopper.py, TUNE dq_hopper), alone and with the Gluon
     dK/dV kernel, against the reference (the same tolerances) and against _bwd_dq_kernel (the same arithmetic;
     the dK/dV kernel reads the delta, LSE2 and dS scales it writes), causal and full, D 64 and 128, GQA, pow2
-    scales; the invariant at 8K (D=128) and 2K (D=64). `pingpong`: the warpgroups take turns to issue their
-    MMAs (0 never, 1 S and dP, 2 every MMA)."""
+    scales; the invariant at 8K (D=128) and 2K (D=64). `pingpong`: the warpgroups take turns to issue their S and
+    dP MMAs (1) or not (0), at both head dims (launch.DQ_HOPPER_PINGPONG set here)."""
     _skip_unless_gluon_triton()
-    opts = dict(dq_hopper_stages=stages, dq_hopper_pingpong=pingpong)
+    monkeypatch.setattr(KL, "DQ_HOPPER_PINGPONG", {64: pingpong, 128: pingpong})
+    opts = dict(dq_hopper_stages=stages)
     K.TUNE.update(dq_hopper=True, dkdv_hopper=False, **opts)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
@@ -319,19 +316,20 @@ def test_dq_hopper_kernel(stages, pingpong):
         assert max(errs) < 1e-3, errs
 
 
-def test_dkdv_hopper_loop_variants():
+def test_dkdv_hopper_loop_variants(monkeypatch):
     """The Gluon dK/dV kernel's loop variants against its plain loop (single tiles, the diagonal's mask tested per
     tile, the scales loaded in the tile) on the same saved tensors: query tiles in pairs (TUNE dkdv_hopper_pairs:
     the second tile of each 128-row dO8 quantization tile skips dv's rescale, whose factor c / c' is 1 up to the
     division's rounding), the causal diagonal peeled off the loop (dkdv_hopper_peel) and the scales loaded a tile
-    ahead (dkdv_hopper_ahead). dQ is untouched by all; the peel and the loads ahead change no value (dK, dV
-    bit-identical); pairs change dV by < 3e-3 and leave dK, dV as close to the reference backward (fp32 products)
-    as the plain loop. Dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups, 128-key programs; the
+    ahead (launch.DKDV_HOPPER_AHEAD, set here). dQ is untouched by all; the peel and the loads ahead change no
+    value (dK, dV bit-identical); pairs change dV by < 3e-3 and leave dK, dV as close to the reference backward
+    (fp32 products) as the plain loop. Dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups, 128-key programs; the
     peel and the loads ahead with three too).
     Not packed batches: pairs and the peel are refused there (odd query-tile counts break pairs). The differences
     are printed."""
     _skip_unless_gluon_triton()
-    pairs, peel, ahead = dict(dkdv_hopper_pairs=True), dict(dkdv_hopper_peel=True), dict(dkdv_hopper_ahead=True)
+    pairs, peel, ahead = dict(dkdv_hopper_pairs=True), dict(dkdv_hopper_peel=True), dict(ahead=True)
+    monkeypatch.setattr(KL, "DKDV_HOPPER_PIPE", False)  # the pipelined dK MMA: test_dkdv_hopper_pipe
     causal_mha = [pairs, peel, ahead, {**pairs, **peel}, {**pairs, **ahead}, {**pairs, **peel, **ahead}]
     two, three = {64: (2, 240)}, {64: (3, 160)}  # D=64's MMA warpgroups (the last 192-key block of 1280 keys has
     # a warpgroup past the keys)
@@ -349,8 +347,10 @@ def test_dkdv_hopper_loop_variants():
         ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
 
         def run(variant):
-            K.TUNE.update({"dkdv_hopper_pairs": False, "dkdv_hopper_peel": False, "dkdv_hopper_wgs": wgs,
-                           "dkdv_hopper_pipe": False, **variant})  # the pipelined dK MMA: test_dkdv_hopper_pipe
+            variant = dict(variant)
+            ahead = variant.pop("ahead", False)
+            monkeypatch.setattr(KL, "DKDV_HOPPER_AHEAD", {2: ahead, 3: ahead})
+            K.TUNE.update({"dkdv_hopper_pairs": False, "dkdv_hopper_peel": False, "dkdv_hopper_wgs": wgs, **variant})
             try:
                 return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
@@ -373,29 +373,29 @@ def test_dkdv_hopper_loop_variants():
 
 
 def test_dkdv_hopper_pipe():
-    """The Gluon dK/dV kernel with each tile's dK MMA issued under the next tile's exponentials (TUNE
-    dkdv_hopper_pipe, two warpgroups, dense batches) against its plain loop on the same saved tensors: the same
-    operations in the same order, so dQ, dK and dV are bit-identical. Two warpgroups (D=128): the full mask, with
-    a ring of 4 stages too, and the causal mask (the diagonal's peel and pairs before and in the pipeline). Three
-    (D=64, one head per group): causal with and without the peel (a warpgroup's tiles before its diagonal skipped
-    before its first), the full mask; N=1280 leaves the last program's third warpgroup past the keys. Where the sm_90
+    """The Gluon dK/dV kernel with each tile's dK MMA issued under the next tile's exponentials
+    (launch.DKDV_HOPPER_PIPE: two warpgroups, dense batches without GQA) against its plain loop on the same saved
+    tensors: the same operations in the same order, so dQ, dK and dV are bit-identical. D=128: the full mask, with
+    a ring of 4 stages too, and the causal mask (the diagonal's peel and pairs before and in the pipeline); D=64
+    with two warpgroups (TUNE dkdv_hopper_wgs), causal with and without the peel, and the full mask. Where the sm_90
     ptxas is CUDA 13+ (Triton 3.9) the piped loop is the form with a fresh dP^T accumulator (launch.DKDV_HOPPER_PIPE;
     the other form's dK was wrong there)."""
     _skip_unless_gluon_triton()
-    three = dict(dkdv_hopper_wgs=(3, 160))
+    two = dict(dkdv_hopper_wgs=(2, 240))
     for (B, Hq, Hkv, N, D, causal), opts in (((1, 4, 4, 1024, 128, False), {}),
                                              ((1, 4, 4, 1024, 128, False), dict(dkdv_hopper_stages=4)),
-                                             ((2, 4, 4, 2048, 128, True), {}), ((2, 4, 4, 1280, 64, True), three),
-                                             ((2, 4, 4, 1280, 64, True), dict(dkdv_hopper_peel=False, **three)),
-                                             ((1, 4, 4, 1280, 64, False), three)):
+                                             ((2, 4, 4, 2048, 128, True), {}), ((2, 4, 4, 1280, 64, True), two),
+                                             ((2, 4, 4, 1280, 64, True), dict(dkdv_hopper_peel=False, **two)),
+                                             ((1, 4, 4, 1280, 64, False), two)):
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=17)
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
         f = R.forward(q, k, v, **kw)
 
         def run(pipe):
-            K.TUNE.update(dkdv_hopper_pipe=pipe, **opts)
+            K.TUNE.update(opts, dkdv_hopper_pipe=pipe)
             try:
+                assert KL._dkdv_hopper_cfg(D, causal=causal, groups=Hq // Hkv, packed=False)["pipe"] == pipe
                 return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
                 K.TUNE.clear()
@@ -407,48 +407,46 @@ def test_dkdv_hopper_pipe():
         assert all(torch.equal(a, b) for a, b in zip(piped, plain)), between
 
 
-def test_dq_hopper_pipe():
-    """The Gluon dQ kernel's pipelined second pass (TUNE dq_hopper_pipe: each tile's dQ MMA issued with the next
-    tile's S and dP; under causal masks a dQ MMA of zeros on the first tile) against its plain loop on the same
-    saved tensors: the same tiles in the same order, the same rescales between them, so dQ, dK and dV are
-    bit-identical. Dense causal MHA and GQA, the full mask, D 128 (with and without the ping-pong) and 64 (and 4
-    ring stages), one key tile (only the MMA of zeros and the diagonal's), and packed batches (sequences of one
-    key tile too)."""
+def test_dq_hopper_pipe(monkeypatch):
+    """The Gluon dQ kernel's pipelined second pass (launch.DQ_HOPPER_PIPE_FULL, the full mask: each tile's dQ MMA
+    issued with the next tile's S and dP) against its plain loop on the same saved tensors: the same tiles in the
+    same order, the same rescales between them, so dQ, dK and dV are bit-identical. MHA and GQA, D 128 (with and
+    without the ping-pong) and 64 (and 3 ring stages), one key tile."""
     _skip_unless_gluon_triton()
-    cu = [0, 64, 64, 192, 1301, 2720]
-    cases = [((2, 4, 4, 2048, 128, True), None, {}), ((2, 4, 2, 2048, 128, True), None, {}),
-             ((1, 4, 4, 1024, 128, False), None, {}), ((2, 4, 4, 2048, 128, True), None, dict(dq_hopper_pingpong=0)),
-             ((2, 4, 4, 1280, 64, True), None, {}), ((1, 4, 4, 1024, 64, False), None, {}),
-             ((1, 4, 2, 4096, 128, True), cu, {}), ((1, 4, 4, 4096, 64, True), cu, {}),
-             ((2, 4, 4, 1280, 64, True), None, dict(dq_hopper_stages=4)), ((1, 2, 2, 128, 128, True), None, {})]
-    for (B, Hq, Hkv, N, D, causal), cu_l, opts in cases:
+    cases = [((1, 4, 4, 1024, 128, False), {}), ((2, 4, 2, 2048, 128, False), {}),
+             ((1, 4, 4, 1024, 128, False), dict(pingpong=0)), ((1, 4, 4, 1024, 64, False), {}),
+             ((2, 4, 4, 1280, 64, False), dict(dq_hopper_stages=3)), ((1, 2, 2, 128, 128, False), {})]
+    for (B, Hq, Hkv, N, D, causal), opts in cases:
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=13)
-        cu_t = None if cu_l is None else torch.tensor(cu_l, dtype=torch.int32, device="cuda")
-        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
         f = R.forward(q, k, v, **kw)  # the saved tensors every backward pass starts from
         ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+        tune = dict(opts)
+        if "pingpong" in tune:
+            monkeypatch.setitem(KL.DQ_HOPPER_PINGPONG, D, tune.pop("pingpong"))
 
         def run(pipe):
-            K.TUNE.update(dq_hopper=True, dq_hopper_pipe=pipe, **opts)
+            monkeypatch.setattr(KL, "DQ_HOPPER_PIPE_FULL", (64, 128) if pipe else ())
+            K.TUNE.update(dq_hopper=True, **tune)
             try:
+                assert KL._dq_hopper_cfg(D, causal)["pipe"] == pipe
                 return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
                 K.TUNE.clear()
 
         plain, piped = run(False), run(True)
-        end = N if cu_l is None else cu_l[-1]
-        between = [_rel(a[:, :, :end], b[:, :, :end]) for a, b in zip(piped, plain)]
-        to_ref = [[_rel(a[:, :, :end], b[:, :, :end]) for a, b in zip(g, ref)] for g in (plain, piped)]
-        print("DQ PIPE", (B, Hq, Hkv, N, D, causal), cu_l, opts, "between", between, "vs reference: plain, pipe",
-              to_ref)
+        monkeypatch.undo()
+        between = [_rel(a, b) for a, b in zip(piped, plain)]
+        to_ref = [[_rel(a, b) for a, b in zip(g, ref)] for g in (plain, piped)]
+        print("DQ PIPE", (B, Hq, Hkv, N, D, causal), opts, "between", between, "vs reference: plain, pipe", to_ref)
         assert all(torch.isfinite(t).all() for t in piped)
         assert all(torch.equal(a, b) for a, b in zip(piped, plain)), between
 
 
-@pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(3, 160), fwd_hopper_wgs=(2, 240))),
-                                    (128, dict(dkdv_hopper_ahead=True)), (64, dict(dkdv_hopper_ahead=True))],
-                         ids=["d128", "d64", "d64-wg-swap", "d128-ahead", "d64-ahead"])
+@pytest.mark.parametrize("D,tune", [(128, {}), (64, {}), (64, dict(dkdv_hopper_wgs=(2, 240))),
+                                    (128, dict(dkdv_hopper_wgs=(3, 160)))],
+                         ids=["d128", "d64", "d64-dkdv-wg2", "d128-dkdv-wg3"])
 @pytest.mark.parametrize("cu", [[0, 1000, 1001, 3000, 4096], [0, 64, 64, 192, 1301, 2720]])
 def test_hopper_packed(cu, D, tune):
     """The Gluon kernels on packed batches (kernels/segments.py: each sequence padded to a multiple of 128 rows,
@@ -456,8 +454,7 @@ def test_hopper_packed(cu, D, tune):
     for bit, as on dense batches; the backward within the dense Gluon tests' 1e-3), and against the reference.
     Sequences of 1, 64 and 128 tokens, an empty one, and (second case) tokens after the last sequence, whose
     outputs stay 0 (LSE -inf); GQA and MHA; D=128 and D=64 (where packed batches take the Gluon forward and dQ
-    kernels that dense ones do not), with the other choice of two or three warpgroups for the forward and dK/dV,
-    and with dK/dV's scales loaded a tile ahead (`tune`)."""
+    kernels that dense ones do not), and with the other choice of two or three warpgroups for dK/dV (`tune`)."""
     _skip_unless_gluon_triton()
     N = 4096
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
@@ -498,16 +495,14 @@ def test_hopper_packed(cu, D, tune):
         K.TUNE.clear()
 
 
-@pytest.mark.parametrize("stages,wgs64,wgs128", [(2, (3, 160), (2, 240)), (3, (3, 160), (2, 240)),
-                                                 (2, (2, 240), (2, 240)), (2, (3, 160), (3, 160))],
-                         ids=["s2-wg3", "s3-wg3", "s2-wg2", "s2-wg3-d128wg3"])
-def test_fwd_hopper_kernel(stages, wgs64, wgs128):
-    """The Gluon forward (fwd_hopper.py, TUNE fwd_hopper; on at D=128) against the
+@pytest.mark.parametrize("stages", [2, 3])
+def test_fwd_hopper_kernel(stages):
+    """The Gluon forward (fwd_hopper.py, TUNE fwd_hopper; on at D 64 and 128) against the
     reference (the same tolerances) and against _fwd_kernel on the same inputs (the same arithmetic): causal
-    GQA and the full mask at D=128 and D=64, with programs of two or three warpgroups (`wgs64`, `wgs128`; three:
-    192 queries, which do not divide N, so the last block's rows past N are masked)."""
+    GQA and the full mask at D=128 and D=64, programs of three warpgroups (192 queries, which do not divide N, so
+    the last block's rows past N are masked), rings of `stages` stages."""
     _skip_unless_gluon_triton()
-    tune = dict(fwd_hopper=True, fwd_hopper_stages=stages, fwd_hopper_wgs={64: wgs64, 128: wgs128})
+    tune = dict(fwd_hopper=True, fwd_hopper_stages=stages)
     K.TUNE.update(tune)
     try:
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
@@ -539,9 +534,10 @@ def test_fwd_hopper_kernel(stages, wgs64, wgs128):
 
 @pytest.mark.parametrize("dkdv", [(8, 1), (8, 2)])
 def test_head_dim_256_configs_and_split_dkdv(dkdv):
-    """D > 128 with the launch configs timed on the H200 and dK/dV split into a dV and a dK launch (TUNE
-    dkdv_split): the same tolerances, causal and full, GQA, MLA's 192/128, and the stale delta."""
-    K.TUNE.update(fwd=(64, 8, 3), dq=(128, 8, 1), dkdv=dkdv, dkdv_split=True)
+    """D > 128 with the launch configs timed on the H200 and dK/dV split into a dV and a dK launch
+    (launch.DKDV_SPLIT_ABOVE): the same tolerances, causal and full, GQA, MLA's 192/128, and the stale delta."""
+    assert KL._dkdv_parts(192) == KL._dkdv_parts(256) == (1, 2)
+    K.TUNE.update(fwd=(64, 8, 3), dq=(128, 8, 1), dkdv=dkdv)
     try:
         _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256)
         _compare(B=1, Hq=4, Hkv=2, N=1500, Dqk=256, causal=False)
@@ -601,7 +597,7 @@ def test_tokens_outside_sequences_are_zero_and_tma_matches_pointers():
         results = []
         for tma in (True, False):
             # the Triton kernels' two paths (the Gluon ones take packed batches by default: test_hopper_packed)
-            K.TUNE.update(fwd_tma=tma, dq_tma=tma, dkdv_tma=tma, hopper_packed=False)
+            K.TUNE.update(fwd_tma=tma, dq_tma=tma, hopper_packed=False)
             try:
                 assert KO._seq_info(q, k, cu, cu)[5]
                 out = K.forward(q, k, v, **kw)[:2]

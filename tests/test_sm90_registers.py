@@ -177,3 +177,31 @@ def test_quantization_pass_with_the_outlier_transforms_compiles_for_sm90():
         assert "spill=0B" in ln and "instructions=" in ln, ln
         rotates = name in ("quantize_rotate", "quantize_both", "center_rotate")
         assert ("HGMMA.64x128x16.F32.BF16" in ln) == rotates, ln
+
+
+def test_hash_records_the_default_launches():
+    """--hash's launch recorder (record_launches) catches what ops.forward / ops.backward launch, without a GPU:
+    the Gluon kernels for their case (D=128, N = 8192, fp8, on the H200's sm_90 with Triton 3.6), the Triton dQ
+    kernel for the stale delta there, the Triton kernels at N = 8000 and in bf16, and dK/dV in two launches at
+    D=256; with the constexprs the kernels get."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
+            "cases = S.default_cases()\n"
+            "for name in ('d128-causal-h4:4-n8192-fp8-matching', 'd128-causal-h4:4-n8192-fp8-stale',\n"
+            "             'd128-full-h16:4-n8000-fp8-matching', 'd64-causal-h4:4-n8000-bf16-matching', 'd256-causal-fp8'):\n"
+            "    print(name, [(S.KERNELS[fn.__name__], cx.get('PART'), cx.get('FP8')) for fn, cx, *_ in\n"
+            "                 S.record_launches(cases[name])])\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = dict(ln.split(" ", 1) for ln in res.stdout.splitlines())
+    assert got["d128-causal-h4:4-n8192-fp8-matching"] == str([("hopper_fwd", None, None), ("hopper_dq", None, None),
+                                                              ("hopper", None, None)])
+    assert got["d128-causal-h4:4-n8192-fp8-stale"] == str([("hopper_fwd", None, None), ("dq", None, True),
+                                                           ("hopper", None, None)])
+    assert got["d128-full-h16:4-n8000-fp8-matching"] == str([("fwd", None, True), ("dq", None, True),
+                                                            ("dkdv", 0, True)])
+    assert got["d64-causal-h4:4-n8000-bf16-matching"] == str([("fwd", None, False), ("dq", None, False),
+                                                             ("dkdv", 0, False)])
+    assert got["d256-causal-fp8"] == str([("fwd", None, True), ("dq", None, True), ("dkdv", 1, True),
+                                          ("dkdv", 2, True)])

@@ -16,15 +16,15 @@ Kernel 2, `_bwd_dkdv_kernel`, one program per key tile per KV head, looping over
   alone (PART 2), so a program holds one BLOCK_N x D accumulator, not two (launch.DKDV_SPLIT_ABOVE).
 Everything is deterministic (dQ is written once by its owner), so config.deterministic costs nothing.
 FP8 operands contracted over tokens (dO and q in kernel 2, k in kernel 1) are read from (D, N) copies
-(tokens contiguous) so every FP8 matmul gets K-major operands. TMA=True (launch._use_tma): those tiles come
-through tensor descriptors (see _tile for the rows they read past a sequence).
+(tokens contiguous) so every FP8 matmul gets K-major operands. TMA=True in kernel 1 (launch._use_tma): k8, its
+token-major copy and v8 come through tensor descriptors (see _tile for the rows they read past a sequence).
 """
 
 import triton
 import triton.language as tl
 
 from ._fp8 import acc_units, cast_to, tile_scale, to_fp8
-from .forward import _grid_ids, _key_ranges, _load_2d, _mma_done, _per_row, _scale, _seq_bounds, _tile, _visible
+from .forward import _grid_ids, _key_ranges, _load_2d, _per_row, _scale, _seq_bounds, _tile, _visible
 
 
 @triton.jit
@@ -57,8 +57,8 @@ def _dq_inner(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
               FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr,
-              ASM_SCALES: tl.constexpr, SCALE_AFTER_SUM: tl.constexpr, DSS_OUT: tl.constexpr):
+              DS_Q: tl.constexpr, ONE_TILE: tl.constexpr, TMA: tl.constexpr, ASM_SCALES: tl.constexpr,
+              SCALE_AFTER_SUM: tl.constexpr, DSS_OUT: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     for start_n in range(lo, hi, BLOCK_N):
@@ -108,8 +108,6 @@ def _dq_inner(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V
                 c_dq = u
             else:
                 dq = tl.dot(cast_to(ds, K.dtype.element_ty, INTERP).to(k.dtype), k, dq)
-            if WAIT_MMA:
-                dq = _mma_done(dq, INTERP)
     return dq, c_dq, c_max, delta, rs, ra
 
 
@@ -120,7 +118,7 @@ def _dq_sweep(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V
               DQK: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
               FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr,
               E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr, DS_Q: tl.constexpr,
-              ONE_TILE: tl.constexpr, TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
+              ONE_TILE: tl.constexpr, TMA: tl.constexpr, ASM_SCALES: tl.constexpr,
               SCALE_AFTER_SUM: tl.constexpr, DSS_OUT: tl.constexpr):
     """One pass over a query block's visible key tiles: the window's masked edge [lo, mid_lo) (only with a
     window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
@@ -129,17 +127,17 @@ def _dq_sweep(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V
             dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
             dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
             DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-            WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
+            ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
     dq, c_dq, c_max, delta, rs, ra = _dq_inner(
         dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
         dss_tk, kv_row, kt_row, k0, start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-        WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
+        ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
     dq, c_dq, c_max, delta, rs, ra = _dq_inner(
         dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
         dss_tk, kv_row, kt_row, k0, start_m, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
         DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-        WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
+        ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
     return dq, c_dq, c_max, delta, rs, ra
 
 
@@ -155,7 +153,7 @@ def _bwd_dq_kernel(
     STALE: tl.constexpr, ROW_SUMS: tl.constexpr, FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
     INTERP: tl.constexpr, DS_Q: tl.constexpr, ONE_TILE: tl.constexpr,  # ONE_TILE: BLOCK_M == DS_Q
     TMA: tl.constexpr,  # K, KT, V are tensor descriptors over 2-D views of k8, k8 token-major, v8
-    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
+    ASM_SCALES: tl.constexpr,
     SCALE_AFTER_SUM: tl.constexpr,  # the correction pass scales each tile's sum of P * dP, not each dP
     LSE2_OUT: tl.constexpr, P_SHIFT: tl.constexpr,  # write LSE2 = LSE * log2(e) - P_SHIFT for _bwd_dkdv_kernel
     DSS_OUT: tl.constexpr,  # write each dS tile's scale for _bwd_dkdv_kernel (at _dss_row)
@@ -232,12 +230,12 @@ def _bwd_dq_kernel(
             dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb, DSSm,
             skn, skd, ktn, ktd, svn, svd, dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, True, ROW_SUMS,
-            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, False)
+            FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, ASM_SCALES, SCALE_AFTER_SUM, False)
     dq, c_dq, c_max, delta, rs, ra = _dq_sweep(
         dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, Kb, KTb, Vb, SKb, SVb, DSSm,
         skn, skd, ktn, ktd, svn, svd, dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, mid_hi, hi, n, m, window,
         BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV, CAUSAL, HAS_WINDOW, FP8, False, ROW_SUMS,
-        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, WAIT_MMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
+        FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
     dq = dq * _per_row(c_dq * softmax_scale, ONE_TILE)
     tl.store(DQ + b64 * sdqb + h64 * sdqh + q064 * sdqn + offs_m[:, None] * sdqn + offs_dqk[None, :] * sdqd,
              cast_to(dq, DQ.dtype.element_ty, INTERP), mask=rmask[:, None] & (offs_dqk[None, :] < DQK))
@@ -281,23 +279,22 @@ def _query_ranges(start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, n, m, w
 
 
 @triton.jit
-def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, d_f, sqn, sqd, sdon, sdod, q_row, offs_m, offs_n, n, m, window,
+def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, sqn, sqd, sdon, sdod, offs_m, offs_n, n, m, window,
             BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, DQK: tl.constexpr, DV: tl.constexpr,
             MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
-            INTERP: tl.constexpr, TMA: tl.constexpr, LSE2_IN: tl.constexpr, P_SHIFT: tl.constexpr,
-            PART: tl.constexpr, FOLD: tl.constexpr):
-    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m, both times 2^P_SHIFT (FOLD: dS^T
-    times d_f too, folded into dP's scale dp_f by the caller and into delta here); also the loaded q, dO. TMA:
-    Q, DO are descriptors and q_row the tile's first row in them (see _tile). PART 1 (dV only): no dS^T (P^T
-    stands in for it) and, with FP8, no row-major dO (q stands in)."""
+            INTERP: tl.constexpr, LSE2_IN: tl.constexpr, P_SHIFT: tl.constexpr, PART: tl.constexpr):
+    """P^T and dS^T (fp32, keys x queries) of keys offs_n and queries offs_m, both times 2^P_SHIFT; also the
+    loaded q, dO. PART 1 (dV only): no dS^T (P^T stands in for it) and, with FP8, no row-major dO (q stands
+    in)."""
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _tile(Q, q_row, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, MASK, BLOCK_DQK != DQK, TMA, False)
+    # the pointer path of _tile, the tile loader of every kernel (this one has no TMA path)
+    q = _tile(Q, 0, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, MASK, BLOCK_DQK != DQK, False, False)
     if INTERP and not FP8:
         q = q.to(tl.float32)
     do = q
     if PART != 1 or not FP8:  # dP needs dO; so does bf16's dV (its dO operand is the row-major tile)
-        do = _tile(DO, q_row, 0, offs_m, offs_dv, sdon, sdod, n, DV, MASK, BLOCK_DV != DV, TMA, False)
+        do = _tile(DO, 0, 0, offs_m, offs_dv, sdon, sdod, n, DV, MASK, BLOCK_DV != DV, False, False)
         if INTERP and not FP8:
             do = do.to(tl.float32)
     if MASK:
@@ -312,8 +309,6 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, d_f, sqn, sqd, sdon, sdod, q_ro
         lse2 = lse
     else:
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634) - P_SHIFT
-    if FOLD and PART != 1:
-        delta = delta * d_f
     st = tl.dot(k, tl.trans(q)) * st_f  # S^T (keys x queries)
     dpt = st
     if PART != 1:
@@ -338,14 +333,13 @@ def _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dp_f, d_f, sqn, sqd, sdon, sdod, q_ro
 
 @triton.jit
 def _dkdv_inner(dk, dv, c_dk, ck_max, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, DELTA, DSS, col_f, dp_f,
-                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0,
-                start_n, lo, hi, n, m, window,
+                sqn, sqd, qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, start_n, lo, hi, n, m, window,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, FP8: tl.constexpr,
                 FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-                TMA: tl.constexpr, WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr, LSE2_IN: tl.constexpr,
-                P_SHIFT: tl.constexpr, PART: tl.constexpr, DSS_IN: tl.constexpr, FOLD: tl.constexpr):
+                ASM_SCALES: tl.constexpr, LSE2_IN: tl.constexpr, P_SHIFT: tl.constexpr, PART: tl.constexpr,
+                DSS_IN: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -353,27 +347,19 @@ def _dkdv_inner(dk, dv, c_dk, ck_max, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, 
         offs_m = start_m + tl.arange(0, BLOCK_M)
         st_f = col_f
         dpf = dp_f
-        r = 1.0
         if FP8:
             sq_t = _scale(SQ + start_m, ASM_SCALES)  # one quantization tile holds the whole 64-row query tile
             sdo_t = _scale(SDO + start_m, ASM_SCALES)
             st_f = col_f * sq_t
             dpf = dp_f * sdo_t
-            if FOLD and PART != 1:  # dst comes out times r: r in dP's scale and delta (launch._dkdv_fold_ds_scale)
-                # (read here, before dS exists; without FOLD below, where the measured kernels read it)
-                sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
-                uk, ck_max = acc_units(sds * sq_t, ck_max)
-                r = sq_t * (1.0 / (1 << P_SHIFT)) / uk
-                dpf = dpf * r
-        pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, r, sqn, sqd, sdon, sdod, q_row + start_m,
-                                 offs_m, offs_n, n, m, window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW,
-                                 FP8, INTERP, TMA, LSE2_IN, P_SHIFT, PART, FOLD)
+        pt, dst, q, do = _pt_dst(k, v, Q, DO, LSE, DELTA, st_f, dpf, sqn, sqd, sdon, sdod, offs_m, offs_n, n, m,
+                                 window, BLOCK_DQK, BLOCK_DV, DQK, DV, MASK, CAUSAL, HAS_WINDOW, FP8, INTERP, LSE2_IN,
+                                 P_SHIFT, PART)
         if FP8:
             # dk, dv are kept in units of the last tile's scale (c_dk, c_dv): the MMA accumulates in place
             if PART != 2:
                 cv = sdo_t / 256.0
-                dot_ = _tile(DOT, dt_row, q0 + start_m, offs_m, offs_dv, dtn, dtd, n, DV, MASK, BLOCK_DV != DV, TMA,
-                             True)
+                dot_ = _tile(DOT, 0, 0, offs_m, offs_dv, dtn, dtd, n, DV, MASK, BLOCK_DV != DV, False, True)
                 # P * 256, the static scale: exp2 gives it directly when P_SHIFT = 8 (the shift is in LSE2)
                 p256 = pt
                 if P_SHIFT != 8:
@@ -381,33 +367,23 @@ def _dkdv_inner(dk, dv, c_dk, ck_max, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, 
                 dv = tl.dot(to_fp8(p256, False, INTERP), dot_, dv * (c_dv / cv))
                 c_dv = cv
             if PART != 1:
-                if not FOLD:
-                    if DSS_IN:  # the dQ kernel's scale of this tile (launch._dkdv_ds_scales)
-                        sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
-                    else:
-                        # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T
-                        amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
-                        sds = tile_scale(amax, FMAX, POW2)
-                    # dk is kept in units of the last tile's sds * sq or acc_units' floor; r multiplies (_dq_inner)
-                    uk, ck_max = acc_units(sds * sq_t, ck_max)
-                    r = sq_t * (1.0 / (1 << P_SHIFT)) / uk
-                qt = _tile(QT, qt_row, q0 + start_m, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK,
-                           TMA, True)
-                ds_r = dst
-                if not FOLD:
-                    ds_r = dst * r
-                dk = tl.dot(to_fp8(ds_r, E5M2, INTERP), qt, dk * (c_dk / uk))
+                if DSS_IN:  # the dQ kernel's scale of this tile (launch._dkdv_ds_scales)
+                    sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
+                else:
+                    # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T
+                    amax = tl.max(tl.max(tl.abs(dst), 1), 0) * (1.0 / (1 << P_SHIFT))
+                    sds = tile_scale(amax, FMAX, POW2)
+                # dk is kept in units of the last tile's sds * sq or acc_units' floor; r multiplies (_dq_inner)
+                uk, ck_max = acc_units(sds * sq_t, ck_max)
+                r = sq_t * (1.0 / (1 << P_SHIFT)) / uk
+                qt = _tile(QT, 0, 0, offs_m, offs_dqk, qtn, qtd, n, DQK, MASK, BLOCK_DQK != DQK, False, True)
+                dk = tl.dot(to_fp8(dst * r, E5M2, INTERP), qt, dk * (c_dk / uk))
                 c_dk = uk
         else:
             if PART != 2:
                 dv = tl.dot(cast_to(pt, Q.dtype.element_ty, INTERP).to(do.dtype), do, dv)
             if PART != 1:
                 dk = tl.dot(cast_to(dst, Q.dtype.element_ty, INTERP).to(q.dtype), q, dk)
-        if WAIT_MMA:  # waiting on dK's MMA retires dV's too, which then overlaps the dS quantization
-            if PART == 1:
-                dv = _mma_done(dv, INTERP)
-            else:
-                dk = _mma_done(dk, INTERP)
     return dk, dv, c_dk, ck_max, c_dv
 
 
@@ -421,14 +397,12 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, INTERP: tl.constexpr,
-    TMA: tl.constexpr,  # Q, QT, DO, DOT are tensor descriptors over 2-D views of q8, q8 / dO8 token-major, dO8
-    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
+    ASM_SCALES: tl.constexpr,
     LSE2_IN: tl.constexpr,  # LSE holds the dQ kernel's LSE2 (log2 units, P_SHIFT subtracted), not the LSE
     P_SHIFT: tl.constexpr,  # 8 (fp8 only): exp2 yields P * 256, the value quantized for P^T dO
     PART: tl.constexpr,  # 0: dK and dV; 1: dV only (no dP, no dS); 2: dK only (launch._dkdv_parts)
     DSS_IN: tl.constexpr,  # read each dS tile's scale from the dQ kernel's DSS instead of the tile's absmax
     DS_K: tl.constexpr,  # keys per dS tile (the block); BLOCK_N may be a divisor of it only with DSS_IN
-    FOLD: tl.constexpr,  # with DSS_IN: 1/sds in dP's scale and delta, not on each dS (launch._dkdv_fold_ds_scale)
 ):
     pid_n, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh over B * Hkv; the heaviest key tiles (first) first
     pid_s = tl.program_id(2)
@@ -470,16 +444,10 @@ def _bwd_dkdv_kernel(
     for g in range(GROUPS):  # GQA: this KV head's query heads, summed here (no atomics)
         h64 = hk64 * GROUPS + g
         bh = b64 * Hq + h64
-        Qg, QTg, DOg, DOTg = Q, QT, DO, DOT
-        if not TMA:
-            Qg = Q + b64 * sqb + h64 * sqh + q064 * sqn
-            QTg = QT + b64 * qtb + h64 * qth + q064 * qtn
-            DOg = DO + b64 * sdob + h64 * sdoh + q064 * sdon
-            DOTg = DOT + b64 * dtb + h64 * dth + q064 * dtn
-        bh32 = (b * Hq + hk * GROUPS + g).to(tl.int32)  # TMA: rows of the (B*Hq*Rq, D) and (B*Hq*D, N) views
-        q_row = bh32 * (sqh // sqn) + q0
-        qt_row = bh32 * DQK
-        dt_row = bh32 * DV_
+        Qg = Q + b64 * sqb + h64 * sqh + q064 * sqn
+        QTg = QT + b64 * qtb + h64 * qth + q064 * qtn
+        DOg = DO + b64 * sdob + h64 * sdoh + q064 * sdon
+        DOTg = DOT + b64 * dtb + h64 * dth + q064 * dtn
         SQg = SQ + bh * N + q0
         SDOg = SDO + bh * N + q0
         LSEg = LSE + bh * N + q0
@@ -487,19 +455,19 @@ def _bwd_dkdv_kernel(
         DSSg = DSS + _dss_row(bh, q0, pid_s, dss_tq, BLOCK_M) * dss_tk + start_n // DS_K  # BLOCK_M: the tile's rows
         dk, dv, c_dk, ck_max, c_dv = _dkdv_inner(
             dk, dv, c_dk, ck_max, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
-            qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, lo, mid_lo, n, m, window,
+            qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, start_n, lo, mid_lo, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
+            ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN)
         dk, dv, c_dk, ck_max, c_dv = _dkdv_inner(
             dk, dv, c_dk, ck_max, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
-            qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_lo, mid_hi, n, m, window,
+            qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, start_n, mid_lo, mid_hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, False, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
+            ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN)
         dk, dv, c_dk, ck_max, c_dv = _dkdv_inner(
             dk, dv, c_dk, ck_max, c_dv, k, v, Qg, QTg, DOg, DOTg, SQg, SDOg, LSEg, DELTAg, DSSg, col_f, dp_f, sqn, sqd,
-            qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, q_row, qt_row, dt_row, q0, start_n, mid_hi, hi, n, m, window,
+            qtn, qtd, sdon, sdod, dtn, dtd, dss_tk, start_n, mid_hi, hi, n, m, window,
             BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV, DQK, DV_, True, CAUSAL, HAS_WINDOW, FP8, FMAX, E5M2, POW2, INTERP,
-            TMA, WAIT_MMA, ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN, FOLD)
+            ASM_SCALES, LSE2_IN, P_SHIFT, PART, DSS_IN)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     nmask = offs_n < m

@@ -87,7 +87,7 @@ def _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk):
 @gluon.jit
 def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
           bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, masked, s_prev,
-          CAUSAL: gl.constexpr, FOLD: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr,
+          CAUSAL: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr,
           PIPE: gl.constexpr):
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
     AHEAD: sq_t, sdo_t, sds (the tile's q8, dO8 and dS scales) were loaded a tile ahead by the caller; else they
@@ -141,10 +141,8 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         c_dk = uk
     r = sq_t * (1.0 / 256.0) / uk
     delta = delta_smem.index(s).load(col_layout)
-    if FOLD:  # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
-        ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
-    else:
-        ds_r = p256 * (dp_acc * (dp_f * sdo_t) - delta[None, :]) * r
+    # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
+    ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
     if PIPE:  # dS^T / sds goes to the next tile in fp32: an fp8 tensor across the back edge costs byte packing
         dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
         dk = dk * (c_dk / uk)
@@ -164,7 +162,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
 def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n, sdo_n,
           sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col, first,
           s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS: gl.constexpr, STAGES: gl.constexpr,
-          CAUSAL: gl.constexpr, FOLD: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr, AHEAD: gl.constexpr,
+          CAUSAL: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr, AHEAD: gl.constexpr,
           DIAG: gl.constexpr, PIPE: gl.constexpr):
     """The ring's t-th query tile (tile i of the group's head g) through one warpgroup, its stage released after.
     AHEAD: the tile's scales were loaded a tile ahead (sq_n, sdo_n, sds_n), and the next tile's are loaded here;
@@ -188,12 +186,9 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     m0 = lo + i * BLOCK_M
     s = t % STAGES
     mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-    # PIPE: this warpgroup's first tile is t = first (0 with two warpgroups; with three and one head, the tiles
-    # before it are skipped). There it takes its own stage: a dK MMA of zeros adds nothing (and reads finite values)
-    if WGS == 2:
-        has_prev = t > 0
-    else:
-        has_prev = t > first
+    # PIPE (two warpgroups): the first tile, t = 0, takes its own stage: a dK MMA of zeros adds nothing (and reads
+    # finite values)
+    has_prev = t > 0
     if PIPE:
         s_prev = gl.where(has_prev, s_prev, s)
     if WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
@@ -204,28 +199,21 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-            masked, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, PIPE)
+            masked, s_prev, CAUSAL, AHEAD, RESCALE_DV, PIPE)
     elif DIAG == 2:
         if i >= first:  # the diagonal tile is this warpgroup's first
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-                i == first, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, PIPE)
+                i == first, s_prev, CAUSAL, AHEAD, RESCALE_DV, PIPE)
     else:  # three warpgroups, peeled: the caller skipped the tiles before `first`
         s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-            DIAG == 1, s_prev, CAUSAL, FOLD, AHEAD, RESCALE_DV, PIPE)
+            DIAG == 1, s_prev, CAUSAL, AHEAD, RESCALE_DV, PIPE)
     s_next = s
     if PIPE:
-        if WGS != 2 and DIAG == 2:  # a skipped tile (i < first) releases its own stage, the pending one waits on
-            if i >= first:
-                if has_prev:
-                    mbarrier.arrive(empty.index(s_prev))
-            else:
-                mbarrier.arrive(empty.index(s))
-            s_next = gl.where(i >= first, s, s_prev)
-        elif has_prev:
+        if has_prev:
             mbarrier.arrive(empty.index(s_prev))  # the previous tile's dK MMA is done with its q8^T
     else:
         mbarrier.arrive(empty.index(s))  # this stage's tiles are read
@@ -245,9 +233,9 @@ def _last_dk(ds, dk, qt_smem, empty, s, d_layout: gl.constexpr):
 def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
                    SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    key_end, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, FOLD: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
+                   CAUSAL: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
                    PAIRS: gl.constexpr, PEEL: gl.constexpr, AHEAD: gl.constexpr, PIPE: gl.constexpr):
-    gl.static_assert(WGS == 2 or GROUPS == 1 or not PIPE, "PIPE with three warpgroups: one head per group only")
+    gl.static_assert(WGS == 2 or not PIPE, "PIPE: two warpgroups only (launch._dkdv_hopper_cfg)")
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     kb = n0 + WG * 64  # this warpgroup's first key
@@ -308,7 +296,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, u, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
-                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD, WGS,
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, WGS,
                 u == 0 or not PAIRS, AHEAD, 1, PIPE)
         t0 = 2
     elif PEEL:  # first <= n_q (first == n_q: a warpgroup past the keys)
@@ -321,7 +309,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, first, g, i,
                 sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
-                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD,
+                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL,
                 WGS, True, AHEAD, 1, PIPE)
             t0 = first + 1
     if PAIRS:
@@ -331,19 +319,16 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                     k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + u,
                     g, i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N,
                     dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL,
-                    FOLD, WGS, u == 0, AHEAD, DIAG, PIPE)
+                    WGS, u == 0, AHEAD, DIAG, PIPE)
     else:
         for t in range(t0, GROUPS * n_q):
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
-                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, FOLD, WGS, True,
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, WGS, True,
                 AHEAD, DIAG, PIPE)
-    if PIPE:  # the last tile's dK MMA (none for a warpgroup past the keys)
-        if WGS == 2:
-            dk = _last_dk(dp_acc, dk, qt_smem, empty, s_prev, d_layout)
-        elif first < n_q:
-            dk = _last_dk(dp_acc, dk, qt_smem, empty, s_prev, d_layout)
+    if PIPE:  # the last tile's dK MMA
+        dk = _last_dk(dp_acc, dk, qt_smem, empty, s_prev, d_layout)
     dk = dk * (c_dk * softmax_scale)
     dv = dv * c_dv
     keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
@@ -362,7 +347,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
 def _bwd_dkdv_hopper_kernel(
     k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
-    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FOLD: gl.constexpr,
+    GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr, PAIRS: gl.constexpr, PEEL: gl.constexpr,
     AHEAD: gl.constexpr, PIPE: gl.constexpr,
 ):
@@ -411,11 +396,11 @@ def _bwd_dkdv_hopper_kernel(
         gl.warp_specialize([
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
                               WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
                               WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
@@ -434,15 +419,15 @@ def _bwd_dkdv_hopper_kernel(
         gl.warp_specialize([
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
                               WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f1, dp_f1, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
                               WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f2, dp_f2, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 2, GROUPS, HEAD_D, STAGES, CAUSAL, FOLD, VARLEN,
+                              dss_tq, dss_tk, out_row, base + length, 2, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
                               WGS, PAIRS, PEEL, AHEAD, PIPE)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
@@ -458,14 +443,14 @@ def pipe_mode(pipe, fresh_dp):
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
-                dss_tq, dss_tk, grid, n_tiles, head_group, stages, fold, warpgroups, regs, pairs, peel, ahead,
+                dss_tq, dss_tk, grid, n_tiles, head_group, stages, warpgroups, regs, pairs, peel, ahead,
                 pipe=False, fresh_dp=False, segments=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's tiles
     before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile ahead, required
-    with GQA; `pipe`: each tile's dK MMA issued with the next tile's S^T and dP^T, dense batches only, and with
-    three warpgroups one head per group; `fresh_dp`: with `pipe`, dP^T's MMA into a fresh accumulator, pipe_mode).
+    with GQA; `pipe`: each tile's dK MMA issued with the next tile's S^T and dP^T, two warpgroups and dense
+    batches only; `fresh_dp`: with `pipe`, dP^T's MMA into a fresh accumulator, pipe_mode).
     segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded layout."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
@@ -476,7 +461,7 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), FOLD=fold, VARLEN=segments is not None,
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None,
         WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead),
         PIPE=pipe_mode(pipe, fresh_dp),
         num_warps=4,

@@ -17,8 +17,7 @@ other. Per key tile of 128 keys (stage s), in one warpgroup (rows r0 .. r0+63):
 With PINGPONG (on at D=128, launch.DQ_HOPPER_PINGPONG) the two warpgroups take turns to issue their S and dP MMAs
 (FlashAttention-3's ping-pong through named barriers, _gluon.wait_turn), so one's exponentials overlap the other's
 MMAs more often. With PIPE (on the full mask, launch.DQ_HOPPER_PIPE_FULL) pass 2 is software-pipelined: tile j's
-dQ MMA is issued after tile j+1's S and dP and runs under its exponentials (_dq_tile_pipe); under a causal mask the
-first tile issues a dQ MMA of zeros instead, so that the diagonal tile can stay last, as in the plain loop.
+dQ MMA is issued after tile j+1's S and dP and runs under its exponentials (_dq_tile_pipe).
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dq_kernel` (tests/test_kernels_gpu.py).
 """
 
@@ -161,11 +160,7 @@ def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, S
     ds, rs, ra, sds = _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX, POW2, ROW_SUMS)
     r, dq, c_dq, c_max = _dq_units(sds, sk_j, dq, c_dq, c_max)
     ds8 = fp8_operand(ds * r, a_layout)  # kt_smem's keys in k_order
-    if PINGPONG == 2:
-        wait_turn(WG)
     dq = warpgroup_mma(ds8, kt_smem.index(s).permute((1, 0)), dq, is_async=True)
-    if PINGPONG == 2:
-        pass_turn(WG)
     # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     mbarrier.arrive(empty.index(s))
@@ -183,15 +178,12 @@ def _dq_tile_pipe(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, j, n_
     Returns this tile's dS in fp32 (in
     dP's accumulator registers, which the next tile's dP MMA takes over): an fp8 tensor carried across the loop's
     back edge costs ~200 byte unpacking and packing instructions per tile. PREV: 0 no pending MMA (the first
-    tile), 1 one, 2 one from t > 0 and at t = 0 a dQ MMA of zeros (ds = 0) on this tile's own stage, which holds
-    finite values and is released by the next tile: one loop from the first tile on."""
+    tile), 1 one."""
     a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
     sk_j = sk_t
     if PREV:
         ds8 = fp8_operand(ds * r_prev, a_layout)
     s_acc, dp_acc, s = _issue_s_dp(q_sub, do_sub, k_smem, v_smem, ready, n_k + t, s_acc, ds, STAGES, WG, PINGPONG)
-    if PREV == 2:
-        s_prev = gl.where(t > 0, s_prev, s)
     if PREV:
         dq = warpgroup_mma(ds8, kt_smem.index(s_prev).permute((1, 0)), dq, is_async=True)
     if PINGPONG:
@@ -201,10 +193,7 @@ def _dq_tile_pipe(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, j, n_
     ds, rs, ra, sds = _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX, POW2, ROW_SUMS)
     if PREV:  # the previous tile's dQ MMA: done with its ds8 registers (ptxas tracks those) and its ring stage
         dq = warpgroup_mma_wait(0, deps=(dq, ))
-        if PREV == 1:
-            mbarrier.arrive(empty.index(s_prev))
-        elif t > 0:
-            mbarrier.arrive(empty.index(s_prev))
+        mbarrier.arrive(empty.index(s_prev))
     r, dq, c_dq, c_max = _dq_units(sds, sk_j, dq, c_dq, c_max)  # into this tile's units, for its MMA in the next call
     return s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s
 
@@ -252,20 +241,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile: _dq_units)
     c_max = softmax_scale * 0.0  # the largest sds * sk so far
     dss_at = dss_row * dss_tk + dss_col0
-    if PIPE and CAUSAL:  # pass 2 pipelined, in the plain loop's order: a dQ MMA of zeros first, the diagonal last
-        ds = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        r = c_dq  # the operand factor of the dQ MMA of zeros (1)
-        s_prev = 0
-        for t in range(n_plain):
-            s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev = _dq_tile_pipe(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, t, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-                dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev, False, STAGES, FMAX,
-                POW2, ROW_SUMS, WG, PINGPONG, 2)
-        s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev = _dq_tile_pipe(
-            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_plain, n_k, SK, SV, DSS, kv_row, dss_at,
-            row_f, dp_f, lse2, delta, rows, s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev, True, STAGES, FMAX,
-            POW2, ROW_SUMS, WG, PINGPONG, 2)
-    elif PIPE:  # pass 2 pipelined on the full mask: the first tile without a pending dQ MMA
+    if PIPE:  # pass 2 pipelined (the full mask only): the first tile without a pending dQ MMA
         s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev = _dq_tile_pipe(
             q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, 0, 0, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
             dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, c_dq, 0, False, STAGES, FMAX, POW2,
@@ -317,6 +293,7 @@ def _bwd_dq_hopper_kernel(
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
     VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PIPE: gl.constexpr,
 ):
+    gl.static_assert(not (PIPE and CAUSAL), "the pipelined pass 2 is the full mask's (launch._dq_hopper_cfg)")
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
     base, length, start = _segment(CU, PCU, N, VARLEN)
     kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL)

@@ -14,8 +14,8 @@ into a second fp32 tile (which spilled). v8 is read from a (D, M) copy (tokens c
 needs a K-major B operand (row-major V made Triton transpose through registers, 2.7x slower: ANCHORS.md).
 TMA=True (fp8, launch._use_tma): q8, k8, v8 come through tensor descriptors over 2-D views instead of
 masked pointer loads (6-11 % faster on the H200; no masks on loads, the score masks do that work).
-WAIT_MMA / ASM_SCALES (all three kernels): whether a loop waits on its accumulating MMA inside the iteration
-(_mma_done) and reads its per-tile scales through inline PTX (_scale); launch.py chooses, per kernel and head dim.
+ASM_SCALES (all three kernels): whether a loop reads its per-tile scales through inline PTX (_scale); launch.py
+chooses, per kernel and head dim.
 """
 
 import triton
@@ -70,18 +70,6 @@ def _grid_ids(n_tiles, head_group):
     size = tl.minimum(head_group, heads - g0)
     within = pid - g0 * n_tiles
     return within // size, g0 + within % size
-
-
-@triton.jit
-def _mma_done(acc, INTERP: tl.constexpr):
-    """acc, once the MMA that produced it has completed: an opaque register move makes Triton wait on the MMA
-    inside the iteration instead of leaving it in flight across the loop's back edge (which, with cp.async
-    copies in the loop, makes ptxas serialize every wgmma: its info C7515/C7513, benchmarks/sm90_registers.py).
-    Where the kernels use it: WAIT_MMA_HEAD_DIMS in launch.py."""
-    if INTERP:
-        return acc
-    else:
-        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -167,7 +155,7 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
                DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
                HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, INTERP: tl.constexpr, TMA: tl.constexpr,
-               WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr):
+               ASM_SCALES: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -204,8 +192,6 @@ def _fwd_inner(acc, l_i, m_i, c_acc, q, row_f, K, V, SK, SV, skn, skd, svn, svd,
             acc = tl.dot(cast_to(p, V.dtype.element_ty, INTERP).to(tl.float32), v, acc * alpha[:, None])
         else:
             acc = tl.dot(p.to(V.dtype.element_ty), v, acc * alpha[:, None])
-        if WAIT_MMA:
-            acc = _mma_done(acc, INTERP)
         m_i = m_new
     return acc, l_i, m_i, c_acc
 
@@ -219,7 +205,7 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr, FP8: tl.constexpr,
     INTERP: tl.constexpr, TMA: tl.constexpr,  # TMA: Q, K, V are tensor descriptors (fp8, see forward())
-    WAIT_MMA: tl.constexpr, ASM_SCALES: tl.constexpr,
+    ASM_SCALES: tl.constexpr,
 ):
     t, pid_bh = _grid_ids(n_tiles, head_group)
     pid_m = n_tiles - 1 - t  # heaviest (last, under causal) query blocks first: better tail balance
@@ -269,13 +255,13 @@ def _fwd_kernel(
     if HAS_WINDOW:
         acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N,
                                           BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                          WAIT_MMA, ASM_SCALES)
+                                          ASM_SCALES)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N,
                                       BLOCK_DQK, BLOCK_DV, DQK, DV, False, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                      WAIT_MMA, ASM_SCALES)
+                                      ASM_SCALES)
     acc, l_i, m_i, c_acc = _fwd_inner(acc, l_i, m_i, c_acc, *args, mid_hi, hi, n, m, window, BLOCK_M, BLOCK_N,
                                       BLOCK_DQK, BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, INTERP, TMA,
-                                          WAIT_MMA, ASM_SCALES)
+                                      ASM_SCALES)
 
     if FP8:
         l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)

@@ -1,11 +1,11 @@
-"""The forward on Hopper, written in Gluon: one TMA warp feeding three (or two) independent MMA warpgroups (on at
-D 64 and 128: launch.FWD_HOPPER_HEAD_DIMS, FWD_HOPPER_WARPGROUPS).
+"""The forward on Hopper, written in Gluon: one TMA warp feeding three independent MMA warpgroups (on at D 64 and
+128: launch.FWD_HOPPER_HEAD_DIMS).
 
 The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case
 (launch._hopper_case): fp8, Dqk = Dv in (64, 128), no window, N = M a multiple of 128, or a causal packed batch
 (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows). A program
 covers 64 queries per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for all
-(with three, a warpgroup whose diagonal comes before the program's last key tile releases that tile unread); v8
+(a warpgroup whose diagonal comes before the program's last key tile releases that tile unread); v8
 comes token-major with its keys in k_order, so P8 is the score accumulator as it is (_gluon.fp8_operand).
 Per key tile of 128 keys, in one warpgroup (rows r0 .. r0+63):
     S = q8 k8^T                                               (async)
@@ -25,17 +25,19 @@ from ._gluon import (
     _segment, fp8_a_layout, fp8_operand, mma_layout, tma_load,
 )
 
+# MMA warpgroups per program (64 queries each), so that an SM runs three softmax streams (S, O and P8 fit in 160
+# registers without spills, launch.FWD_HOPPER_REGS): 0.75x the time of two at D=64, 0.84x at D=128 causal
+WARPGROUPS = 3
+WGS = gl.constexpr(WARPGROUPS)
+
 
 @gluon.jit
 def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, q_row, kv_row, vt_row, vt_col,
-            n_k, STAGES: gl.constexpr, WGS: gl.constexpr):
-    if WGS == 2:
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma_load(q_desc, [q_row, 0], q_bar, q_smem)
-    else:  # a TMA box's rows are a power of two: one box per warpgroup
-        mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes)
-        for w in gl.static_range(WGS):
-            tma_load(q_desc, [q_row + w * BLOCK_M, 0], q_bar, q_smem.index(w))
+            n_k, STAGES: gl.constexpr):
+    # a TMA box's rows are a power of two: one box per warpgroup
+    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes)
+    for w in gl.static_range(WGS):
+        tma_load(q_desc, [q_row + w * BLOCK_M, 0], q_bar, q_smem.index(w))
     for j in range(n_k):
         s = j % STAGES
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
@@ -63,28 +65,25 @@ def _online_softmax(qk, f, m_i, l_i, keys, rows, MASK: gl.constexpr):
 @gluon.jit
 def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, row_f, out0, r0, kv_row, n_k,
                    length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                   VARLEN: gl.constexpr, WGS: gl.constexpr):
+                   VARLEN: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     o_layout: gl.constexpr = mma_layout(HEAD_D)
     a_layout: gl.constexpr = fp8_a_layout(o_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    if WGS == 2:
-        q_sub = q_smem.slice(WG * 64, 64)
-    else:
-        q_sub = q_smem.index(WG)
+    q_sub = q_smem.index(WG)
     rows = r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))  # this warpgroup's queries
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     s_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # fresh accumulator (use_acc=False), carried
     c_acc = row_f * 0.0 + 1.0  # acc's unit: sv / 256 of the last key tile
-    diag = n_k - 1  # the diagonal key tile under a causal mask (its 64 rows sit in one)
     n_own = n_k  # the key tiles this warpgroup computes on
-    if WGS != 2:  # 3 x 64 queries: the program's last key tile may lie past this warpgroup's diagonal, and the
-        diag = r0 // BLOCK_N  # last block's warpgroups past the sequence (they compute nothing, store nothing)
-        if CAUSAL:
-            n_own = gl.minimum(diag + 1, n_k)
-        n_own = gl.where(r0 < length, n_own, 0)
+    # 3 x 64 queries: the program's last key tile may lie past this warpgroup's diagonal, and the last block's
+    # warpgroups past the sequence (they compute nothing, store nothing)
+    diag = r0 // BLOCK_N
+    if CAUSAL:
+        n_own = gl.minimum(diag + 1, n_k)
+    n_own = gl.where(r0 < length, n_own, 0)
     mbarrier.wait(q_bar, 0)
     for j in range(n_own):
         s = j % STAGES
@@ -109,8 +108,7 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
         # nothing in flight across the loop's back edge (ptxas would serialize every wgmma: dkdv_hopper.py)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index(s))
-    if WGS != 2:
-        _release(ready, empty, n_own, n_k, STAGES)
+    _release(ready, empty, n_own, n_k, STAGES)
     l_i = l_i * 0.00390625  # P * 256 was summed: back to P (a power of two, exact)
     has = l_i != 0.0  # NaN (a non-finite input) included: out and lse NaN
     l_safe = gl.where(has, l_i, 1.0)
@@ -119,19 +117,16 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
     orows = r0 + gl.arange(0, BLOCK_M, orow_layout)
     ocols = gl.arange(0, HEAD_D, gl.SliceLayout(0, o_layout))
     optrs = O + (out0 + orows).to(gl.int64)[:, None] * HEAD_D + ocols[None, :]
-    if VARLEN or WGS != 2:  # the sequence's rows only (padded rows are not tokens; 3 x 64 may pass N)
-        gl.store(optrs, out.to(O.dtype.element_ty), mask=(orows < length)[:, None])
-        gl.store(LSE + out0 + rows, lse, mask=rows < length)
-    else:
-        gl.store(optrs, out.to(O.dtype.element_ty))
-        gl.store(LSE + out0 + rows, lse)
+    # the sequence's rows only (padded rows are not tokens; 3 x 64 may pass N)
+    gl.store(optrs, out.to(O.dtype.element_ty), mask=(orows < length)[:, None])
+    gl.store(LSE + out0 + rows, lse, mask=rows < length)
 
 
 @gluon.jit
 def _fwd_hopper_kernel(
     q_desc, k_desc, vt_desc, SQ, SK, SV, O, LSE, Hq, Hkv, N, softmax_scale, n_tiles, head_group, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-    WGS: gl.constexpr, REGS: gl.constexpr,
+    REGS: gl.constexpr,
 ):
     # N: rows per head of the inputs (padded ones for VARLEN), N_OUT: of the outputs O, LSE
     base, length, start = _segment(CU, PCU, N, VARLEN)
@@ -146,10 +141,7 @@ def _fwd_hopper_kernel(
     else:
         out0 = row0
 
-    if WGS == 2:
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    else:
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -158,45 +150,34 @@ def _fwd_hopper_kernel(
 
     # one quantization tile holds each warpgroup's 64 rows: a scalar score factor per warpgroup
     f0 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + q0)
-    if WGS == 2:
-        f1 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + q0 + BLOCK_M)
-        gl.warp_specialize([
-            (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f0, out0, q0, kv_row,
-                              n_k, length, 0, HEAD_D, STAGES, CAUSAL, VARLEN, WGS)),
-            (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f1, out0, q0 + BLOCK_M,
-                              kv_row, n_k, length, 1, HEAD_D, STAGES, CAUSAL, VARLEN, WGS)),
-            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, row0 + q0, kv_row,
-                       kvh * HEAD_D, base, n_k, STAGES, WGS)),
-        ], [4, 1], [REGS, 24])
-    else:
-        # the last block's second and third warpgroups may lie past the sequence (their scale: a row that exists)
-        f1 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + gl.minimum(q0 + BLOCK_M, length - 1))
-        f2 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + gl.minimum(q0 + 2 * BLOCK_M, length - 1))
-        gl.warp_specialize([
-            (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f0, out0, q0, kv_row,
-                              n_k, length, 0, HEAD_D, STAGES, CAUSAL, VARLEN, WGS)),
-            (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f1, out0, q0 + BLOCK_M,
-                              kv_row, n_k, length, 1, HEAD_D, STAGES, CAUSAL, VARLEN, WGS)),
-            (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f2, out0,
-                              q0 + 2 * BLOCK_M, kv_row, n_k, length, 2, HEAD_D, STAGES, CAUSAL, VARLEN, WGS)),
-            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, row0 + q0, kv_row,
-                       kvh * HEAD_D, base, n_k, STAGES, WGS)),
-        ], [4, 4, 1], [REGS, REGS, 24])
+    # the last block's second and third warpgroups may lie past the sequence (their scale: a row that exists)
+    f1 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + gl.minimum(q0 + BLOCK_M, length - 1))
+    f2 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + gl.minimum(q0 + 2 * BLOCK_M, length - 1))
+    gl.warp_specialize([
+        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f0, out0, q0, kv_row,
+                          n_k, length, 0, HEAD_D, STAGES, CAUSAL, VARLEN)),
+        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f1, out0, q0 + BLOCK_M,
+                          kv_row, n_k, length, 1, HEAD_D, STAGES, CAUSAL, VARLEN)),
+        (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f2, out0,
+                          q0 + 2 * BLOCK_M, kv_row, n_k, length, 2, HEAD_D, STAGES, CAUSAL, VARLEN)),
+        (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, row0 + q0, kv_row,
+                   kvh * HEAD_D, base, n_k, STAGES)),
+    ], [4, 4, 1], [REGS, REGS, 24])
 
 
 def fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, *, causal, softmax_scale, grid, n_tiles, head_group, stages,
-               warpgroups, regs, segments=None):
+               regs, segments=None):
     """Launch `_fwd_hopper_kernel` (shapes checked by launch._fwd_hopper; grid over the query blocks of
-    64 x `warpgroups` queries, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
+    64 x WARPGROUPS queries, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers). segments: a packed batch's kernels.segments.Segments, the fp8 inputs and scales in its padded
     layout, out and lse packed."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
     _fwd_hopper_kernel[grid](
-        _desc(q8, [QUERIES_PER_TILE * (2 if warpgroups == 2 else 1), D]), _desc(k8, [KEYS_PER_PROGRAM, D]),
+        _desc(q8, [QUERIES_PER_TILE, D]), _desc(k8, [KEYS_PER_PROGRAM, D]),
         _desc(v8t, [D, KEYS_PER_PROGRAM]),
         sq, sk, sv, out, lse, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, cu, pcu, out.shape[2],
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, num_warps=4,
+        REGS=regs, num_warps=4,
     )

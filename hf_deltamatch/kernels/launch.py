@@ -1,6 +1,7 @@
-"""Which kernel runs for an input and how it is launched: block sizes, warps and stages, TMA or pointer loads, MMA
-waits, scale reads, and the Gluon kernels' options. Each default is the faster choice measured on the H200 with
-Triton 3.6 (docs/kernels.md has the measurements); TUNE overrides any of them for tuning runs.
+"""Which kernel runs for an input and how it is launched: block sizes, warps and stages, TMA or pointer loads, scale
+reads, and the Gluon kernels' options. Each default is the faster choice measured on the H200 with Triton 3.6
+(docs/kernels.md has the measurements, and the alternatives measured slower); TUNE overrides the launch configs and
+switches below for tuning runs.
 """
 
 import functools
@@ -13,20 +14,15 @@ from ._fp8 import INTERPRET
 
 # Launch-config overrides for tuning runs (benchmarks/kernel_breakdown.py --variants, benchmarks/sm90_registers.py),
 # empty in normal use; docs/kernels.md tables every key. Triton kernels: "fwd" / "dq" (BLOCK_M, warps, stages),
-# "dkdv" (warps, stages), and per kernel f"{k}_maxnreg" (ptxas register cap), f"{k}_tma", f"{k}_wait_mma",
-# f"{k}_asm_scales", f"{k}_head_group"; "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split",
-# "dkdv_ds_scales", "dkdv_block_n", "dkdv_fold_ds_scale". Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper"
-# (on / off), their "_stages", "fwd_hopper_wgs" / "dkdv_hopper_wgs" ((warpgroups, registers) or {head dim: that}),
-# "dkdv_hopper_fold" / "_pairs" / "_peel" / "_ahead" / "_pipe", "dq_hopper_pingpong" (0, 1, 2), "dq_hopper_pipe",
-# and "hopper_packed" (the Gluon kernels on packed batches). Each is read where its default is defined below.
+# "dkdv" (warps, stages), f"{k}_maxnreg" (ptxas register cap), "fwd_tma" / "dq_tma", "dkdv_lse2", "dkdv_p256".
+# Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
+# ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", and "hopper_packed" (the
+# Gluon kernels on packed batches). Each is read where its default is defined below.
 TUNE: dict = {}
-TUNE_KEYS = ({"fwd", "dq", "dkdv", "dq_scale_after_sum", "dkdv_lse2", "dkdv_p256", "dkdv_split", "dkdv_ds_scales",
-              "dkdv_block_n", "dkdv_fold_ds_scale", "dkdv_hopper", "dkdv_hopper_stages",
-              "dkdv_hopper_fold", "dkdv_hopper_pairs", "dkdv_hopper_peel", "dkdv_hopper_ahead", "dq_hopper",
-              "dq_hopper_stages", "fwd_hopper", "fwd_hopper_stages", "fwd_hopper_wgs", "dkdv_hopper_wgs",
-              "hopper_packed", "dq_hopper_pingpong", "dq_hopper_pipe", "dkdv_hopper_pipe"}
-             | {f"{k}_{o}" for k in ("fwd", "dq", "dkdv")
-                for o in ("maxnreg", "tma", "wait_mma", "asm_scales", "head_group")})
+TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
+              "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
+              "fwd_hopper", "fwd_hopper_stages", "dkdv_hopper_wgs", "dkdv_hopper_pipe", "hopper_packed"}
+             | {f"{k}_maxnreg" for k in ("fwd", "dq", "dkdv")})
 
 
 def _check_tune():
@@ -49,12 +45,13 @@ def _fwd_launch_cfg(dqk: int, dv: int, fp8: bool):
 
 
 # The head dims at which each kernel reads its FP8 tiles through TMA tensor descriptors by default: the forward
-# 0.89-0.94x the time at D 64/128, the dQ kernel 0.90x at D=128 (1.02x at D=64), the dK/dV kernel 1.05-1.20x (never).
-TMA_HEAD_DIMS = {"fwd": (64, 128), "dq": (128,), "dkdv": ()}
+# 0.89-0.94x the time at D 64/128, the dQ kernel 0.90x at D=128 (1.02x at D=64). The dK/dV kernel reads through
+# pointers (TMA loads measured 1.05-1.20x its time).
+TMA_HEAD_DIMS = {"fwd": (64, 128), "dq": (128,)}
 
 
 def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, starts_aligned: bool = True) -> bool:
-    """Whether `kernel` ("fwd", "dq" or "dkdv") reads its FP8 tiles through TMA tensor descriptors. fp8 only
+    """Whether `kernel` ("fwd" or "dq") reads its FP8 tiles through TMA tensor descriptors. fp8 only
     (q8, k8, v8, dO8 and their token-major copies are contiguous buffers of ours, so 2-D descriptors over
     them are valid; bf16 inputs may have any strides); by default at the head dims of TMA_HEAD_DIMS, or at
     any head dim <= 128 (True) / never (False) with TUNE[f"{kernel}_tma"]. Token-major tiles start at a
@@ -66,28 +63,19 @@ def _use_tma(kernel: str, fp8: bool, dqk: int, dv: int, starts_aligned: bool = T
     return fp8 and bool(want) and d <= 128 and starts_aligned
 
 
-# How the loops treat their MMAs and per-tile scales. Left alone, Triton 3.6 keeps each loop's accumulating MMA in
-# flight across the back edge, turns the in-loop scale loads into cp.async copies, and ptxas then serializes every
-# wgmma of the kernel. Two ways out: wait on the MMA inside the iteration (forward._mma_done; slower than the next
-# everywhere, so never by default), or read the scales through inline PTX (forward._scale), which keeps the MMAs in
-# flight unserialized: the forward 0.97x the time at D=128 (1.18x at D=64), dQ 0.96x of waiting, dK/dV 0.90x at
+# How the loops read their per-tile scales. Left alone, Triton 3.6 keeps each loop's accumulating MMA in flight across
+# the back edge, turns the in-loop scale loads into cp.async copies, and ptxas then serializes every wgmma of the
+# kernel. Reading the scales through inline PTX (forward._scale) keeps the MMAs in flight unserialized: the forward
+# 0.97x the time at D=128 (1.18x at D=64), dQ 0.96x of waiting on each MMA inside the iteration, dK/dV 0.90x at
 # D=128 causal (1.04x on the full mask). Triton 3.9 does not serialize these loops.
-WAIT_MMA_HEAD_DIMS = {"fwd": (), "dq": (), "dkdv": ()}
 ASM_SCALES_HEAD_DIMS = {"fwd": (128,), "dq": (64, 128), "dkdv": (128,)}
 ASM_SCALES_CAUSAL_ONLY = ("dkdv",)
 
 
-def _wait_mma(kernel: str, d: int) -> bool:
-    """Whether `kernel` ("fwd", "dq", "dkdv") waits on its accumulating MMA inside each loop iteration (dK/dV: on
-    the iteration's last one, dK's), at head dim d = max(Dqk, Dv) (WAIT_MMA_HEAD_DIMS, or TUNE)."""
-    return bool(TUNE.get(f"{kernel}_wait_mma", d in WAIT_MMA_HEAD_DIMS[kernel]))
-
-
 def _asm_scales(kernel: str, d: int, causal: bool = True) -> bool:
     """Whether `kernel` reads its per-tile scales in the loop through inline PTX (ASM_SCALES_HEAD_DIMS and
-    ASM_SCALES_CAUSAL_ONLY, or TUNE[f"{kernel}_asm_scales"]); never under the interpreter, which has no PTX."""
-    want = d in ASM_SCALES_HEAD_DIMS[kernel] and (causal or kernel not in ASM_SCALES_CAUSAL_ONLY)
-    return not INTERPRET and bool(TUNE.get(f"{kernel}_asm_scales", want))
+    ASM_SCALES_CAUSAL_ONLY); never under the interpreter, which has no PTX."""
+    return not INTERPRET and d in ASM_SCALES_HEAD_DIMS[kernel] and (causal or kernel not in ASM_SCALES_CAUSAL_ONLY)
 
 
 # Head dims at which the correction pass multiplies each key tile's row sums of P * dP by the tile's dP scale instead
@@ -98,8 +86,8 @@ SCALE_AFTER_SUM_HEAD_DIMS = (128, 256)
 
 def _scale_after_sum(d: int) -> bool:
     """Whether the dQ kernel's correction pass scales row sums rather than each dP, at head dim d = max(Dqk, Dv)
-    (SCALE_AFTER_SUM_HEAD_DIMS, or TUNE["dq_scale_after_sum"])."""
-    return bool(TUNE.get("dq_scale_after_sum", d in SCALE_AFTER_SUM_HEAD_DIMS))
+    (SCALE_AFTER_SUM_HEAD_DIMS)."""
+    return d in SCALE_AFTER_SUM_HEAD_DIMS
 
 
 # Head dims at which the dK/dV kernel reads the dQ kernel's LSE2 = LSE * log2(e) (minus the shift below) instead of
@@ -131,38 +119,23 @@ DKDV_DS_SCALES_GQA_HEAD_DIMS = (64,)
 
 def _dkdv_ds_scales(d: int, fp8: bool, gqa: bool = False) -> bool:
     """Whether the dK/dV kernel reads the dQ kernel's dS tile scales (fp8 only; DKDV_DS_SCALES_HEAD_DIMS, with GQA
-    DKDV_DS_SCALES_GQA_HEAD_DIMS, or TUNE["dkdv_ds_scales"])."""
-    dims = DKDV_DS_SCALES_GQA_HEAD_DIMS if gqa else DKDV_DS_SCALES_HEAD_DIMS
-    return fp8 and bool(TUNE.get("dkdv_ds_scales", d in dims))
-
-
-# Head dims at which the dK/dV kernel, given the dQ kernel's dS scale, folds 1/sds into dP's per-tile scale and into
-# delta instead of multiplying every dS by it (one FMUL per score less). Untimed on the H200, so off by default; the
-# Gluon dK/dV kernel does the same (DKDV_HOPPER_FOLD).
-DKDV_FOLD_DS_SCALE_HEAD_DIMS = ()
-
-
-def _dkdv_fold_ds_scale(d: int, ds_scales: bool) -> bool:
-    """Whether the dK/dV kernel folds the dQ kernel's dS scale into dP's scale and delta (needs ds_scales;
-    DKDV_FOLD_DS_SCALE_HEAD_DIMS or TUNE["dkdv_fold_ds_scale"])."""
-    return ds_scales and bool(TUNE.get("dkdv_fold_ds_scale", d in DKDV_FOLD_DS_SCALE_HEAD_DIMS))
+    DKDV_DS_SCALES_GQA_HEAD_DIMS)."""
+    return fp8 and d in (DKDV_DS_SCALES_GQA_HEAD_DIMS if gqa else DKDV_DS_SCALES_HEAD_DIMS)
 
 
 # Keys per dK/dV program by head dim, where the dQ kernel's dS scales are read (_dkdv_ds_scales) and so a program
 # may cover part of a dS tile: 64 keys are one warpgroup's wgmma rows, a program of 4 warps, two per SM that share
-# no barrier (one's softmax can run under the other's MMAs). Elsewhere the block (one dS tile's keys).
+# no barrier (one's softmax can run under the other's MMAs): at D=64 causal, with the dS scales, dK/dV 0.80x the
+# time of its own-absmax 128-key programs (0.87x with 128-key ones); at D=128 1.29x. Elsewhere the block (one dS
+# tile's keys).
 DKDV_BLOCK_N = {64: 64}
 
 
 def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
     """Keys per program of the dK/dV kernel at head dim d: the block (one dS tile's keys), or with the dQ
-    kernel's dS scales a divisor of it (DKDV_BLOCK_N or TUNE["dkdv_block_n"]): a program then covers part of
-    each dS tile, whose scale it reads, so the quantization is the block's either way."""
-    bn = int(TUNE.get("dkdv_block_n", min(block, DKDV_BLOCK_N.get(d, block)) if ds_scales else block))
-    if bn != block and not (ds_scales and bn >= 16 and block % bn == 0):
-        raise ValueError(f"dkdv_block_n={bn} needs dkdv_ds_scales on and a divisor >= 16 of the block ({block}): a "
-                         "program must hold whole dS tiles to find their scales itself")
-    return bn
+    kernel's dS scales DKDV_BLOCK_N's divisor of it: a program then covers part of each dS tile, whose scale it
+    reads, so the quantization is the block's either way."""
+    return min(block, DKDV_BLOCK_N.get(d, block)) if ds_scales else block
 
 
 # Head dims at which dK/dV and dQ (with the correction pass) come from the Gluon kernels (dkdv_hopper.py,
@@ -170,7 +143,6 @@ def _dkdv_block_n(block: int, d: int, ds_scales: bool) -> int:
 # (0.77x full, 0.63x GQA, 0.84x at D=64), dQ 0.88x at D=128 causal (0.90x full, 0.98x at D=64).
 DKDV_HOPPER_HEAD_DIMS = (64, 128)
 DKDV_HOPPER_STAGES = 3
-DKDV_HOPPER_FOLD = True  # 1/sds in dP's scale and delta, as DKDV_FOLD_DS_SCALE_HEAD_DIMS: 0.97x the time
 # MMA warpgroups per program (64 keys each) and their registers, by head dim: three at D=64, where the kernel needs
 # under 128 registers (0.85x the time dense causal, 0.77x packed); at D=128 the dK and dV accumulators alone take 128
 DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
@@ -187,21 +159,22 @@ DKDV_HOPPER_PAIRS = True
 DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
 # With two warpgroups on dense batches without GQA, each tile's dK MMA issued with the next tile's S^T and dP^T MMAs,
 # to run under that tile's exponentials (dQ, dK, dV bit-identical): 0.89x the time on the full mask, 0.92x causal;
-# not with GQA (1.02x, spills), nor with three warpgroups (1.08x causal, 1.27x full).
+# not with GQA (1.02x, spills), nor with three warpgroups (1.08x causal, 1.27x full; dkdv_hopper.py has no such loop).
 # Not by default with a ptxas of CUDA 13 or later (Triton 3.9 assembles sm_90 with its CUDA 13.4 `ptxas-blackwell`,
 # 3.6 and 3.7 with CUDA 12.8's `ptxas`: _sm90_ptxas_major): that ptxas moved half of the fp8 conversions of the
 # carried dS^T past the dP^T MMA that reuses their registers as its accumulator, so dK's MMA read the new tile's dP^T
 # (dK wrong by 16x-1e6x on the H200), and serialized every wgmma (docs/kernels.md, "ptxas 13 and the pipelined dK
-# MMA"). There TUNE may still switch it on, with dP^T's MMA into a fresh accumulator (dkdv_hopper.pipe_mode 2: right
-# operands, no serialized wgmma, 120-144 bytes of spills at D=128; untimed).
-DKDV_HOPPER_PIPE = {2: True, 3: False}  # by MMA warpgroups
+# MMA"). There TUNE["dkdv_hopper_pipe"] may switch it on with dP^T's MMA into a fresh accumulator (dkdv_hopper.pipe_mode
+# 2: right operands, no serialized wgmma, 120-144 bytes of spills at D=128; not yet timed against Triton 3.9 without
+# it, 1.5 % slower than 3.6 with it).
+DKDV_HOPPER_PIPE = True
 DKDV_HOPPER_PIPE_PTXAS_BELOW = 13
-DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches
+DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches without GQA
 DQ_HOPPER_HEAD_DIMS = (64, 128)
 DQ_HOPPER_STAGES = 3
-# The two MMA warpgroups take turns to issue their MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
-# exponentials run under the other's MMAs, by head dim: 0 never, 1 the S and dP MMAs, 2 those and dQ's. D=128: 1
-# 0.96x the time, 2 no gain; D=64: 1 1.03x. In the dK/dV kernel turns were slower (1.02-1.05x).
+# The two MMA warpgroups take turns to issue their S and dP MMAs (FA3's ping-pong, _gluon.wait_turn), so that one's
+# exponentials run under the other's MMAs, by head dim (1 on, 0 off): D=128 0.96x the time, D=64 1.03x. Turns that
+# include the dQ MMA gained nothing at D=128; in the dK/dV kernel turns were slower (1.02-1.05x).
 DQ_HOPPER_PINGPONG = {128: 1}
 # Head dims at which the dQ kernel's second pass is pipelined on the full mask: each tile's dQ MMA issued with the
 # next tile's S and dP MMAs, so that it runs under that tile's exponentials: 0.97x the time at D=128 and D=64. Not
@@ -287,14 +260,13 @@ def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen
 
 
 # Head dims at which the forward comes from fwd_hopper's Gluon kernel where it applies (_hopper_case): 0.95-0.98x
-# the Triton forward's time at D=128, 0.95x at D=64 (three warpgroups). FA3's schedule (tile j-1's PV issued with
-# tile j's QK^T, the warpgroups taking turns) was slower under causal masks (1.10x).
+# the Triton forward's time at D=128, 0.95x at D=64 (three warpgroups, fwd_hopper.WARPGROUPS). FA3's schedule (tile
+# j-1's PV issued with tile j's QK^T, the warpgroups taking turns) was slower under causal masks (1.10x).
 FWD_HOPPER_HEAD_DIMS = (64, 128)
 FWD_HOPPER_STAGES = 2
-# MMA warpgroups per program (64 queries each) and their registers, by head dim: three of 160, so that an SM runs
-# three softmax streams (S, O and P8 fit in 160 registers without spills): 0.75x the time of two at D=64, 0.84x at
-# D=128 causal. The dQ kernel spills with three and keeps two (DQ_HOPPER_WARPGROUPS).
-FWD_HOPPER_WARPGROUPS = {64: (3, 160), 128: (3, 160)}
+# Registers of each of the forward's three MMA warpgroups: S, O and P8 fit in 160 without spills. The dQ kernel
+# spills with three warpgroups and keeps two (DQ_HOPPER_WARPGROUPS).
+FWD_HOPPER_REGS = 160
 
 
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
@@ -313,13 +285,13 @@ def _dkdv_hopper(d: int, **case) -> bool:
     return bool(TUNE.get("dkdv_hopper", d in DKDV_HOPPER_HEAD_DIMS)) and _hopper_case(**case)
 
 
-def _warpgroups(kernel: str, d: int, table: dict) -> dict:
-    """(warpgroups, registers) of a Gluon kernel ("fwd" or "dkdv") at head dim d: `table` or
-    TUNE[f"{kernel}_hopper_wgs"], a pair or {head dim: pair}."""
-    want = TUNE.get(f"{kernel}_hopper_wgs", table)
-    wgs, regs = want.get(d, table[d]) if isinstance(want, dict) else want
+def _dkdv_warpgroups(d: int) -> dict:
+    """(warpgroups, registers) of the Gluon dK/dV kernel at head dim d: DKDV_HOPPER_WARPGROUPS or
+    TUNE["dkdv_hopper_wgs"], a pair or {head dim: pair}."""
+    want = TUNE.get("dkdv_hopper_wgs", DKDV_HOPPER_WARPGROUPS)
+    wgs, regs = want.get(d, DKDV_HOPPER_WARPGROUPS[d]) if isinstance(want, dict) else want
     if wgs not in (2, 3):  # 4 spill: the default partition keeps the launch's 96 registers
-        raise ValueError(f"{kernel}_hopper_wgs: 2 or 3 MMA warpgroups, got {wgs}")
+        raise ValueError(f"dkdv_hopper_wgs: 2 or 3 MMA warpgroups, got {wgs}")
     return dict(warpgroups=int(wgs), regs=int(regs))
 
 
@@ -348,43 +320,35 @@ def _dkdv_hopper_peel(*, causal: bool, groups: int, packed: bool, warpgroups: in
 def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
     """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
     DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a tile ahead always
-    with GQA (the loop counts the group's heads that way), else by default on dense batches by warpgroups
-    (DKDV_HOPPER_AHEAD); the pipelined dK MMA with a fresh dP^T accumulator (fresh_dp) under ptxas 13+."""
-    wgs = _warpgroups("dkdv", d, DKDV_HOPPER_WARPGROUPS)
+    with GQA (the loop counts the group's heads that way), else on dense batches by warpgroups (DKDV_HOPPER_AHEAD);
+    the pipelined dK MMA with two warpgroups on dense batches without GQA (DKDV_HOPPER_PIPE), not under a ptxas of
+    CUDA 13+ unless TUNE["dkdv_hopper_pipe"] asks, and then with a fresh dP^T accumulator (fresh_dp)."""
+    wgs = _dkdv_warpgroups(d)
     n = wgs["warpgroups"]
     peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n)
     pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2
-    ahead = groups > 1 or bool(TUNE.get("dkdv_hopper_ahead", DKDV_HOPPER_AHEAD[n] and not packed))
+    ahead = groups > 1 or (DKDV_HOPPER_AHEAD[n] and not packed)
+    fits = n == 2 and groups == 1 and not packed
     fresh_dp = _sm90_ptxas_major() >= DKDV_HOPPER_PIPE_PTXAS_BELOW
-    pipe = bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE[n] and groups == 1 and not fresh_dp))
-    if pipe and (packed or (n == 3 and groups > 1)):
-        if "dkdv_hopper_pipe" in TUNE:
-            raise ValueError("dkdv_hopper_pipe: dense batches only, and with three MMA warpgroups (dkdv_hopper_wgs) "
-                             "one query head per KV head")
-        pipe = False
-    return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)),
-                fold=bool(TUNE.get("dkdv_hopper_fold", DKDV_HOPPER_FOLD)), pairs=pairs, peel=peel, ahead=ahead,
+    pipe = fits and bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE and not fresh_dp))
+    if TUNE.get("dkdv_hopper_pipe") and not fits:
+        raise ValueError("dkdv_hopper_pipe: dense batches only, two MMA warpgroups (dkdv_hopper_wgs), one query head "
+                         "per KV head")
+    return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)), pairs=pairs, peel=peel, ahead=ahead,
                 pipe=pipe, fresh_dp=pipe and fresh_dp, **wgs)
 
 
-def _fwd_hopper_cfg(d: int) -> dict:
-    """fwd_hopper.fwd_hopper's options at head dim d: FWD_HOPPER_STAGES and FWD_HOPPER_WARPGROUPS, or
-    TUNE["fwd_hopper_stages"], TUNE["fwd_hopper_wgs"] = (warpgroups, registers)."""
-    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)),
-                **_warpgroups("fwd", d, FWD_HOPPER_WARPGROUPS))
+def _fwd_hopper_cfg() -> dict:
+    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_STAGES (or TUNE["fwd_hopper_stages"]) and FWD_HOPPER_REGS."""
+    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)), regs=FWD_HOPPER_REGS)
 
 
 def _dq_hopper_cfg(d: int, causal: bool) -> dict:
-    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES (DQ_HOPPER_PIPE_STAGES when pipelined),
-    DQ_HOPPER_PINGPONG and DQ_HOPPER_PIPE_FULL (without a causal mask, and not with ping-pong mode 2), or
-    TUNE["dq_hopper_stages"], TUNE["dq_hopper_pingpong"], TUNE["dq_hopper_pipe"]."""
-    pingpong = int(TUNE.get("dq_hopper_pingpong", DQ_HOPPER_PINGPONG.get(d, 0)))
-    pipe = bool(TUNE.get("dq_hopper_pipe", d in DQ_HOPPER_PIPE_FULL and not causal and pingpong != 2))
+    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES (DQ_HOPPER_PIPE_STAGES when pipelined, or
+    TUNE["dq_hopper_stages"]), DQ_HOPPER_PINGPONG, and DQ_HOPPER_PIPE_FULL without a causal mask."""
+    pipe = d in DQ_HOPPER_PIPE_FULL and not causal
     stages = DQ_HOPPER_PIPE_STAGES.get(d, DQ_HOPPER_STAGES) if pipe else DQ_HOPPER_STAGES
-    if pipe and pingpong == 2:
-        raise ValueError("dq_hopper_pipe issues each dQ MMA in the next tile's turn: use it with dq_hopper_pingpong "
-                         "0 or 1, not 2")
-    return dict(stages=int(TUNE.get("dq_hopper_stages", stages)), pingpong=pingpong, pipe=pipe)
+    return dict(stages=int(TUNE.get("dq_hopper_stages", stages)), pingpong=DQ_HOPPER_PINGPONG.get(d, 0), pipe=pipe)
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
@@ -404,10 +368,8 @@ HEAD_GROUP_CAUSAL = {"fwd": 4, "dq": 8, "dkdv": 4}
 
 def _grid(kernel: str, tiles: int, heads: int, nseq: int, causal: bool):
     """(grid, n_tiles, head_group) of `kernel` over `tiles` tiles x `heads` (batch x head) x `nseq` sequences;
-    the head group from HEAD_GROUP_CAUSAL (causal) or 1, or TUNE[f"{kernel}_head_group"]."""
-    group = int(TUNE.get(f"{kernel}_head_group", HEAD_GROUP_CAUSAL[kernel] if causal else 1))
-    if group < 1:
-        raise ValueError(f"{kernel}_head_group must be >= 1, got {group}")
+    the head group from HEAD_GROUP_CAUSAL (causal) or 1."""
+    group = HEAD_GROUP_CAUSAL[kernel] if causal else 1
     return (tiles * heads, 1, nseq), tiles, min(group, max(heads, 1))
 
 
@@ -419,8 +381,8 @@ DKDV_SPLIT_ABOVE = 128
 
 def _dkdv_parts(d: int) -> tuple:
     """The dK/dV kernel's launches at head dim d, as its PART constant: (0,) both at once, or (1, 2) dV then dK
-    (d > DKDV_SPLIT_ABOVE, or TUNE["dkdv_split"])."""
-    return (1, 2) if TUNE.get("dkdv_split", d > DKDV_SPLIT_ABOVE) else (0,)
+    (d > DKDV_SPLIT_ABOVE)."""
+    return (1, 2) if d > DKDV_SPLIT_ABOVE else (0,)
 
 
 def _maxnreg(kernel: str) -> dict:

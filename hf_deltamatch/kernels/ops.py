@@ -23,9 +23,9 @@ from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _fwd_kernel
 from .launch import (
     _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
-    _dkdv_block_n, _dkdv_ds_scales, _dkdv_fold_ds_scale, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
+    _dkdv_block_n, _dkdv_ds_scales, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
     DQ_HOPPER_WARPGROUPS, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid,
-    _use_tma, _wait_mma,
+    _use_tma,
 )
 from .quantize import TAIL_ROWS, _fill_outside, quantize, quantize_padded, token_major
 from .._tensor_cache import TensorCache
@@ -115,9 +115,9 @@ def _whole_tiles(rems, queries: int = 0, keys: int = 0) -> bool:
     """Whether every query sequence is whole `queries`-token tiles and every key sequence whole `keys`-token ones
     (0: either). On a varlen batch a TMA tile past a sequence's end reads the next sequence's tokens: masked
     scores give them P = 0, but a NaN there would reach the MMAs as 0 x NaN (docs/numerics.md, "Non-finite
-    inputs"), so the kernels whose products take such rows unmasked (the forward's V, the dQ kernel's V and K^T,
-    the dK/dV kernel's q and dO tiles) read them through TMA only where no tile crosses a sequence's end. (A dense
-    batch's heads end in zero rows instead: _tma_rows.)"""
+    inputs"), so the kernels whose products take such rows unmasked (the forward's V, the dQ kernel's V and K^T)
+    read them through TMA only where no tile crosses a sequence's end. (A dense batch's heads end in zero rows
+    instead: _tma_rows.)"""
     rq, rk = {64: rems[0], 128: rems[2]}, {64: rems[1], 128: rems[3]}
     return (not queries or rq[queries] == 0) and (not keys or rk[keys] == 0)
 
@@ -241,14 +241,13 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
     if hopper:  # quantize() made q8, k8 contiguous
-        from .fwd_hopper import fwd_hopper
+        from .fwd_hopper import WARPGROUPS, fwd_hopper
         # a packed batch: its padded layout (segments.py); out and lse stay packed
         ops = (q8p, k8p, v8tp, sqp, skp, svp) if varlen else (q8, k8, v8t, sq, sk, sv)
-        cfg = _fwd_hopper_cfg(d)
-        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq,
+        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, WARPGROUPS), B * Hq, nseq,
                                           bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
-                   head_group=head_group, segments=seg, **cfg)
+                   head_group=head_group, segments=seg, **_fwd_hopper_cfg())
         return out, lse, q8, k8, v8, sq, sk, sv
     # dense: V's token-major tiles end at the head's end (TMA fills zeros past it)
     tma = _use_tma("fwd", fp8, dqk, dv, aligned and (not varlen or _whole_tiles(rems, keys=T)))
@@ -266,7 +265,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         GROUPS=Hq // Hkv, DQK=dqk, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=T,
         BLOCK_DQK=bdqk, BLOCK_DV=bdv,
         CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
-        INTERP=INTERPRET, TMA=tma, WAIT_MMA=_wait_mma("fwd", d), ASM_SCALES=_asm_scales("fwd", d),
+        INTERP=INTERPRET, TMA=tma, ASM_SCALES=_asm_scales("fwd", d),
         num_warps=warps, num_stages=stages, **_maxnreg("fwd"),
     )
     return out, lse, q8, k8, v8, sq, sk, sv
@@ -360,11 +359,10 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",
                   POW2=config.scale_rounding == "pow2", INTERP=INTERPRET)
     win = int(window) if window is not None else 0
-    # the descriptors below assume the saved q8/k8/v8 are row-major as quantize() makes them (_desc); on a varlen
-    # batch a tile past a sequence's end reads the next one's tokens, so there only whole tiles (_whole_tiles)
-    aligned = aligned and fp8 and all(_tma_rows(t, varlen) for t in (q8, k8, v8, do8))
+    # the descriptors below assume the saved k8/v8 are row-major as quantize() makes them (_desc); on a varlen batch
+    # a tile past a sequence's end reads the next one's tokens, so there only whole tiles (_whole_tiles)
+    aligned = aligned and fp8 and all(_tma_rows(t, varlen) for t in (k8, v8))
     dq_tma = _use_tma("dq", fp8, dqk, dv, aligned and (not varlen or _whole_tiles(rems, keys=T)))
-    kv_tma = _use_tma("dkdv", fp8, dqk, dv, aligned and (not varlen or _whole_tiles(rems, queries=DS_TILE_Q)))
     if N > 0 and max_n > 0:
         ka, kta, va = ks, ks, vs
         if fp8:
@@ -390,16 +388,16 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                 *o_arg.stride(), *dq.stride(),
                 Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group, dss_tq, dss_tk,
                 GROUPS=Hq // Hkv, DV=dv, BLOCK_M=dq_m, BLOCK_N=T, STALE=stale, ROW_SUMS=return_row_sums,
-                DS_Q=DS_TILE_Q, ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, WAIT_MMA=_wait_mma("dq", d),
-                ASM_SCALES=_asm_scales("dq", d), SCALE_AFTER_SUM=_scale_after_sum(d), LSE2_OUT=lse2_in,
+                DS_Q=DS_TILE_Q, ONE_TILE=dq_m == DS_TILE_Q, TMA=dq_tma, ASM_SCALES=_asm_scales("dq", d),
+                SCALE_AFTER_SUM=_scale_after_sum(d), LSE2_OUT=lse2_in,
                 P_SHIFT=p_shift, DSS_OUT=ds_scales, num_warps=dq_w, num_stages=dq_s, **common, **_maxnreg("dq"),
             )
     k8t = ka = kta = va = None  # noqa: F841  (freed before the dK/dV kernel's copies are made)
     if M > 0 and max_m > 0:
-        qa, qta, doa_, dota = qs, qs, doa, doa
+        qt, dot = qs, doa
         if fp8:
-            q8t = qta = token_major(q8, k_order=hopper)
-            dota = do8t
+            q8t = qt = token_major(q8, k_order=hopper)
+            dot = do8t
         if hopper:
             from .dkdv_hopper import dkdv_hopper
             cfg = _dkdv_hopper_cfg(d, causal=bool(causal), groups=Hq // Hkv, packed=False)
@@ -408,22 +406,19 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                         head_group=head_group, **cfg)
             return _ret()
-        if kv_tma:  # 2-D views: q8 and dO8 (B*Hq*N, D), their token-major copies (B*Hq*D, N)
-            qa, qta = _desc(q8, DS_TILE_Q, bdqk), _desc(q8t, DS_TILE_Q, bdqk)
-            doa_, dota = _desc(do8, DS_TILE_Q, bdv), _desc(do8t, DS_TILE_Q, bdv)
         grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, kv_n), B * Hkv, nseq, bool(causal))
         for part in _dkdv_parts(d):
             _bwd_dkdv_kernel[grid](
-                qa, qta, ks, vs, doa_, dota,
+                qs, qt, ks, vs, doa, dot,
                 sq, sk, sv, sdo, lse2 if lse2_in else lse, delta, dss, dk, dv_, cu_seqlens_q, cu_seqlens_k,
                 *qs.stride(), *_s4(q8t if fp8 else qs), *ks.stride(),
                 *vs.stride(), *doa.stride(), *_s4(do8t if fp8 else doa), *dk.stride(), *dv_.stride(),
                 Hq, Hkv, N, M, float(softmax_scale), win, n_tiles, head_group, dss_tq, dss_tk,
                 # a dS quantization tile is DS_TILE_Q queries x the block's keys (the contract): a key tile smaller
                 # than the block (kv_n) reads the tile's scale from the dQ kernel (launch._dkdv_block_n)
-                GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=kv_n, DS_K=T, TMA=kv_tma,
-                WAIT_MMA=_wait_mma("dkdv", d), ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in,
-                P_SHIFT=p_shift, PART=part, DSS_IN=ds_scales, FOLD=_dkdv_fold_ds_scale(d, ds_scales),
+                GROUPS=Hq // Hkv, DV_=dv, BLOCK_M=DS_TILE_Q, BLOCK_N=kv_n, DS_K=T,
+                ASM_SCALES=_asm_scales("dkdv", d, bool(causal)), LSE2_IN=lse2_in, P_SHIFT=p_shift, PART=part,
+                DSS_IN=ds_scales,
                 num_warps=kv_w, num_stages=kv_s, **common, **_maxnreg("dkdv"),
             )
     return _ret()
