@@ -6,7 +6,6 @@ script runs, that its FLOP convention matches shared/ANCHORS.md, and that failur
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,20 +15,18 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _scripts import script_module  # noqa: E402
+
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "attention.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
+    with script_module(SCRIPT, "bench_attention") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_flop_convention_matches_anchors(bench):

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _scripts import script_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gdn_check.py"
@@ -23,14 +27,8 @@ BF16_TOL = 5e-3
 
 @pytest.fixture(scope="module")
 def gdn():
-    spec = importlib.util.spec_from_file_location("bench_gdn_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with script_module(SCRIPT, "bench_gdn_check") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 CPU = torch.device("cpu")

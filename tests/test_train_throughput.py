@@ -7,13 +7,16 @@ recompute and backward spans, and the report.
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _scripts import script_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "train_throughput.py"
@@ -22,14 +25,8 @@ TINY = str(ROOT / "recipes" / "configs" / "tiny-cpu.yaml")
 
 @pytest.fixture(scope="module")
 def tp():
-    spec = importlib.util.spec_from_file_location("bench_train_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with script_module(SCRIPT, "bench_train_throughput") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_step_flops_by_hand(tp):
