@@ -2,6 +2,8 @@
 accuracy against exact attention, and the Delta-Matching invariant at 8K/32K. Run on the H200."""
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -11,18 +13,12 @@ pytestmark = pytest.mark.gpu
 from hf_deltamatch import reference as R  # noqa: E402
 from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _gluon import skip_unless_gluon_triton  # noqa: E402
+
 if torch.cuda.is_available():
     from hf_deltamatch import kernels as K
     from hf_deltamatch.kernels import launch as KL, ops as KO
-
-
-def _skip_unless_gluon_triton():
-    """The Gluon kernels' tests run with a Triton of launch.GLUON_TRITON_VERSIONS, or any with HF_DELTAMATCH_GLUON=1
-    (benchmarks/triton_versions.sh)."""
-    if not KL._gluon_triton_ok(warn=False):
-        import triton
-        pytest.skip(f"Triton {triton.__version__} is not among launch.GLUON_TRITON_VERSIONS "
-                    f"{KL.GLUON_TRITON_VERSIONS}; HF_DELTAMATCH_GLUON=1 runs the Gluon kernels' tests on it")
 
 
 def _rel(a, b):
@@ -243,7 +239,7 @@ def test_dkdv_hopper_kernel(stages, wgs64):
     and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
     order differs), causal and full, D 64 and 128, GQA; dQ is untouched. At D=64 with programs of two or three
     warpgroups (`wgs64`; three: 192 keys, which do not divide N at 1024 or 1280)."""
-    _skip_unless_gluon_triton()
+    skip_unless_gluon_triton()
     opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_wgs=wgs64)
     K.TUNE.update(dkdv_hopper=True, dq_hopper=False, **opts)
     try:
@@ -297,7 +293,7 @@ def test_dq_hopper_kernel(monkeypatch, stages, pingpong):
     the dK/dV kernel reads the delta, LSE2 and dS scales it writes), causal and full, D 64 and 128, GQA, pow2
     scales; the invariant at 8K (D=128) and 2K (D=64). `pingpong`: the warpgroups take turns to issue their S and
     dP MMAs (1) or not (0), at both head dims (launch.DQ_HOPPER_PINGPONG set here)."""
-    _skip_unless_gluon_triton()
+    skip_unless_gluon_triton()
     monkeypatch.setattr(KL, "DQ_HOPPER_PINGPONG", {64: pingpong, 128: pingpong})
     opts = dict(dq_hopper_stages=stages)
     K.TUNE.update(dq_hopper=True, dkdv_hopper=False, **opts)
@@ -327,7 +323,7 @@ def test_dkdv_hopper_loop_variants(monkeypatch):
     peel and the loads ahead with three too).
     Not packed batches: pairs and the peel are refused there (odd query-tile counts break pairs). The differences
     are printed."""
-    _skip_unless_gluon_triton()
+    skip_unless_gluon_triton()
     pairs, peel, ahead = dict(dkdv_hopper_pairs=True), dict(dkdv_hopper_peel=True), dict(ahead=True)
     monkeypatch.setattr(KL, "DKDV_HOPPER_PIPE", False)  # the pipelined dK MMA: test_dkdv_hopper_pipe
     causal_mha = [pairs, peel, ahead, {**pairs, **peel}, {**pairs, **ahead}, {**pairs, **peel, **ahead}]
@@ -380,7 +376,7 @@ def test_dkdv_hopper_pipe():
     with two warpgroups (TUNE dkdv_hopper_wgs), causal with and without the peel, and the full mask. Where the sm_90
     ptxas is CUDA 13+ (Triton 3.9) the piped loop is the form with a fresh dP^T accumulator (launch.DKDV_HOPPER_PIPE;
     the other form's dK was wrong there)."""
-    _skip_unless_gluon_triton()
+    skip_unless_gluon_triton()
     two = dict(dkdv_hopper_wgs=(2, 240))
     for (B, Hq, Hkv, N, D, causal), opts in (((1, 4, 4, 1024, 128, False), {}),
                                              ((1, 4, 4, 1024, 128, False), dict(dkdv_hopper_stages=4)),
@@ -412,7 +408,7 @@ def test_dq_hopper_pipe(monkeypatch):
     issued with the next tile's S and dP) against its plain loop on the same saved tensors: the same tiles in the
     same order, the same rescales between them, so dQ, dK and dV are bit-identical. MHA and GQA, D 128 (with and
     without the ping-pong) and 64 (and 3 ring stages), one key tile."""
-    _skip_unless_gluon_triton()
+    skip_unless_gluon_triton()
     cases = [((1, 4, 4, 1024, 128, False), {}), ((2, 4, 2, 2048, 128, False), {}),
              ((1, 4, 4, 1024, 128, False), dict(pingpong=0)), ((1, 4, 4, 1024, 64, False), {}),
              ((2, 4, 4, 1280, 64, False), dict(dq_hopper_stages=3)), ((1, 2, 2, 128, 128, False), {})]
@@ -455,7 +451,7 @@ def test_hopper_packed(cu, D, tune):
     Sequences of 1, 64 and 128 tokens, an empty one, and (second case) tokens after the last sequence, whose
     outputs stay 0 (LSE -inf); GQA and MHA; D=128 and D=64 (where packed batches take the Gluon forward and dQ
     kernels that dense ones do not), and with the other choice of two or three warpgroups for dK/dV (`tune`)."""
-    _skip_unless_gluon_triton()
+    skip_unless_gluon_triton()
     N = 4096
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
     end = cu[-1]
@@ -501,7 +497,7 @@ def test_fwd_hopper_kernel(stages):
     reference (the same tolerances) and against _fwd_kernel on the same inputs (the same arithmetic): causal
     GQA and the full mask at D=128 and D=64, programs of three warpgroups (192 queries, which do not divide N, so
     the last block's rows past N are masked), rings of `stages` stages."""
-    _skip_unless_gluon_triton()
+    skip_unless_gluon_triton()
     tune = dict(fwd_hopper=True, fwd_hopper_stages=stages)
     K.TUNE.update(tune)
     try:

@@ -10,6 +10,8 @@ of both signs: its difference is bounded relative to sum_i |P_i,sink * delta_i| 
 """
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -19,20 +21,14 @@ pytestmark = pytest.mark.gpu
 from hf_deltamatch import DeltaMatchConfig, deltamatch_attention  # noqa: E402
 from hf_deltamatch import reference as R  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from _gluon import skip_unless_gluon_triton  # noqa: E402
+
 if torch.cuda.is_available():
     from hf_deltamatch import kernels as K
     from hf_deltamatch.kernels import launch as KL
 
 FP8_TOL, BF16_TOL = 1e-2, 2e-3
-
-
-def _skip_unless_gluon_triton():
-    """The Gluon kernels' tests run with a Triton of launch.GLUON_TRITON_VERSIONS, or any with HF_DELTAMATCH_GLUON=1
-    (benchmarks/triton_versions.sh)."""
-    if not KL._gluon_triton_ok(warn=False):
-        import triton
-        pytest.skip(f"Triton {triton.__version__} is not among launch.GLUON_TRITON_VERSIONS "
-                    f"{KL.GLUON_TRITON_VERSIONS}; HF_DELTAMATCH_GLUON=1 runs the Gluon kernels' tests on it")
 
 
 def _rel(a, b):
@@ -106,7 +102,7 @@ def test_packed_gluon_delta_is_the_triton_one(D, monkeypatch):
     and return it mapped back to the packed rows (_unpad_rows); the Triton kernels (hopper_packed off) keep it
     packed. The two agree to the Gluon-vs-Triton backward tolerance, rows outside every sequence are 0, and both
     match the reference's delta."""
-    _skip_unless_gluon_triton()
+    skip_unless_gluon_triton()
     q, k, v, do, sinks = _inputs(1, 4, 2, 2720, D, seed=3)
     cu = torch.tensor([0, 64, 64, 192, 1301, 2600], dtype=torch.int32, device="cuda")
     kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu, cu_seqlens_k=cu,
