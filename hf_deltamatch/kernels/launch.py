@@ -165,8 +165,8 @@ DKDV_HOPPER_PEEL = {2: True, 3: True}  # by MMA warpgroups
 # carried dS^T past the dP^T MMA that reuses their registers as its accumulator, so dK's MMA read the new tile's dP^T
 # (dK wrong by 16x-1e6x on the H200), and serialized every wgmma (docs/kernels.md, "ptxas 13 and the pipelined dK
 # MMA"). There TUNE["dkdv_hopper_pipe"] may switch it on with dP^T's MMA into a fresh accumulator (dkdv_hopper.pipe_mode
-# 2: right operands, no serialized wgmma, 120-144 bytes of spills at D=128; not yet timed against Triton 3.9 without
-# it, 1.5 % slower than 3.6 with it).
+# 2: right operands, no serialized wgmma, 120-144 bytes of spills at D=128; not yet timed). Triton 3.9 without it
+# ran 8K causal within 3.6's spread across calls.
 DKDV_HOPPER_PIPE = True
 DKDV_HOPPER_PIPE_PTXAS_BELOW = 13
 DKDV_HOPPER_AHEAD = {2: False, 3: True}  # by MMA warpgroups, dense batches without GQA
