@@ -17,8 +17,9 @@ from ._fp8 import INTERPRET
 # empty in normal use; docs/kernels.md tables every key. Triton kernels: "fwd" / "dq" (BLOCK_M, warps, stages),
 # "dkdv" (warps, stages), f"{k}_maxnreg" (ptxas register cap), "fwd_tma" / "dq_tma", "dkdv_lse2", "dkdv_p256".
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
-# ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the
-# Gluon kernels on packed batches) and "hopper_ragged" (on dense causal batches of N not a multiple of 128). Each is read where its default is defined below.
+# ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
+# on packed batches) and "hopper_ragged" (on dense causal batches of N not a multiple of 128). Each is read where its
+# default is defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
