@@ -4,7 +4,8 @@ The same contract and arithmetic as `_bwd_dq_kernel` (backward.py) with 64-row b
 delta, LSE2_OUT (P_SHIFT 8) and DSS_OUT, for its common case only (launch._dq_hopper says when): fp8 e4m3,
 Dqk = Dv in (64, 128), no window, N = M a multiple of 128, causal or full, any GQA group, or a causal packed
 batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, as LSE, delta, LSE2 and the dS
-scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows).
+scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows; also a dense
+causal batch of N not a multiple of 128, each head one such sequence: launch.HOPPER_RAGGED).
 
 Why: `_bwd_dq_kernel` at D=128 takes 116 KB of shared memory, so one warpgroup runs per SM and nothing
 overlaps its softmax. Here a program covers 128 queries: the loader (1 warp) streams each key tile once for

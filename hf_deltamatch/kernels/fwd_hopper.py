@@ -3,7 +3,8 @@
 
 The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case
 (launch._hopper_case): fp8, Dqk = Dv in (64, 128), no window, N = M a multiple of 128, or a causal packed batch
-(VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows). A program
+(VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows; also a
+dense causal batch of N not a multiple of 128, each head one such sequence: launch.HOPPER_RAGGED). A program
 covers 64 queries per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for all
 (a warpgroup whose diagonal comes before the program's last key tile releases that tile unread); v8
 comes token-major with its keys in k_order, so P8 is the score accumulator as it is (_gluon.fp8_operand).

@@ -275,10 +275,11 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
         return "a varlen batch other than causal self-attention in one batch row (cu_seqlens_q = cu_seqlens_k)"
     if varlen and not TUNE.get("hopper_packed", HOPPER_PACKED):
         return "packed batches switched off (TUNE['hopper_packed'])"
+    # no lengths in the phrases: the dispatch log keys on them, one line per kind of input, not per length
     if not varlen and (n != m or n == 0):
-        return f"N={n}, M={m} (N = M > 0 only)"
+        return "N != M or N = 0 (N = M > 0 only)"
     if not varlen and n % 128 and not causal:
-        return f"N={n} not a multiple of 128 under the full mask (ragged batches: causal only)"
+        return "N not a multiple of 128 under the full mask (ragged batches: causal only)"
     if not varlen and n % 128 and not TUNE.get("hopper_ragged", HOPPER_RAGGED):
         return "ragged dense batches switched off (TUNE['hopper_ragged'])"
     if not (lse2_in and p_shift == 8):
