@@ -516,9 +516,9 @@ def test_gluon_triton_version_gate(monkeypatch):
 def test_gluon_case_and_why_not(monkeypatch):
     """launch._hopper_why_not, the one predicate behind the Gluon kernels' dispatch (_hopper_case) and the dispatch
     log: None for their case, else the first reason against it. Dense batches of N = M not a multiple of 128
-    ("ragged", launch.HOPPER_RAGGED) take them under a causal mask only (their packed variant masks the tail keys by
-    causality); TUNE["hopper_ragged"] switches that off. The capability, device and Triton version are faked: the
-    predicate is host logic (tests/test_kernels_gpu.py::test_hopper_ragged runs the kernels)."""
+    ("ragged", launch.HOPPER_RAGGED) take them, causal or (HOPPER_RAGGED_FULL) under the full mask; TUNE
+    ["hopper_ragged"] switches that off. The capability, device and Triton version are faked: the predicate is host
+    logic (tests/test_kernels_gpu.py::test_hopper_ragged runs the kernels)."""
     import types
 
     import triton
@@ -534,9 +534,15 @@ def test_gluon_case_and_why_not(monkeypatch):
         return KL._hopper_why_not(**{**base, **change})
 
     for n in (8000, 1000, 200, 129, 8192):
-        assert why(n=n, m=n) is None and KL._hopper_case(**{**base, "n": n, "m": n})
-    assert why(n=8192, m=8192, causal=False) is None
+        for causal in (True, False):
+            assert why(n=n, m=n, causal=causal) is None and KL._hopper_case(**{**base, "n": n, "m": n,
+                                                                                "causal": causal})
+    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", False)
+    assert why(n=8192, m=8192, causal=False) is None and why() is None
     assert "full mask" in why(causal=False) and not KL._hopper_case(**{**base, "causal": False})
+    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", True)
+    # the padded layout's dQ kernel masks its last key tile in the plain pass 2 only: never the pipelined one
+    assert KL._dq_hopper_cfg(128, False)["pipe"] and not KL._dq_hopper_cfg(128, False, padded=True)["pipe"]
     for change, phrase in ((dict(fp8=False), "bf16"), (dict(e4m3=False), "e5m2"), (dict(dqk=256, dv=256), "Dqk=256"),
                            (dict(dv=64), "Dv=64"), (dict(block=64), "block=64"), (dict(window=100), "window"),
                            (dict(m=8192), "N != M"), (dict(varlen=True), "varlen"),

@@ -515,12 +515,14 @@ def _exact(q, k, v, do, causal):
     return o, (qd.grad, kd.grad, vd.grad)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("N", [8000, 1000, 200, 129])
-def test_hopper_ragged(N, D, monkeypatch):
-    """Dense causal batches whose N is not a multiple of 128 on the Gluon kernels (launch.HOPPER_RAGGED: their packed
-    variant, each head one sequence in the rows the fp8 copies are padded to, ops._dense_layout), B = 2 (a TMA tile
-    past a head's end reads its zero rows, not the next head), GQA and MHA:
+def test_hopper_ragged(N, D, causal, monkeypatch):
+    """Dense batches whose N is not a multiple of 128 on the Gluon kernels (launch.HOPPER_RAGGED: their packed
+    variant, each head one sequence in the rows the fp8 copies are padded to, ops._dense_layout; under the full mask
+    the forward and dQ kernels mask the last key tile past N), B = 2 (a TMA tile past a head's end reads its zero
+    rows, not the next head), GQA and MHA, causal and full:
       - the Gluon forward, dQ and dK/dV kernels really launch, with the dense layout; with TUNE hopper_ragged off none;
       - against the Triton kernels on the same inputs: the forward within the dense Gluon forward's 1e-3 (LSE 1e-4),
         the saved tensors bit for bit, the backward and the returned delta within the packed test's 1e-3, all
@@ -534,7 +536,7 @@ def test_hopper_ragged(N, D, monkeypatch):
     npad = -(-N // 128) * 128
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do = _inputs(2, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=11)
-        kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
         runs = {}
         for name, opts in (("gluon", {}), ("triton", dict(hopper_ragged=False))):
@@ -554,7 +556,8 @@ def test_hopper_ragged(N, D, monkeypatch):
         (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
         err, lse_err = _rel(fg[0], ft[0]), (fg[1] - ft[1]).abs().max().item()
         errs = [_rel(a, b) for a, b in zip(gg, gt)]
-        print(f"GLUON RAGGED vs TRITON N{N} D{D} H{Hq}/{Hkv}: out {err:.3g} lse {lse_err:.3g} dq/dk/dv/delta",
+        tag = f"N{N} D{D} H{Hq}/{Hkv} {'causal' if causal else 'full'}"
+        print(f"GLUON RAGGED vs TRITON {tag}: out {err:.3g} lse {lse_err:.3g} dq/dk/dv/delta",
               [float(f"{e:.3g}") for e in errs])
         assert err < 1e-3 and lse_err < 1e-4, (err, lse_err)
         for a, b in zip(fg[2:], ft[2:]):  # q8, k8, v8 and their scales: the same quantization
@@ -562,28 +565,30 @@ def test_hopper_ragged(N, D, monkeypatch):
         assert max(errs) < 1e-3, errs
         for t in (*fg[:2], *gg):
             assert torch.isfinite(t).all()
-        o, grads = _exact(q, k, v, do, causal=True)
+        o, grads = _exact(q, k, v, do, causal)
         exact = {name: [_rel(f_[0], o)] + [_rel(a, b) for a, b in zip(g_[:3], grads)]
                  for name, (f_, g_) in runs.items()}
-        print(f"RAGGED vs EXACT N{N} D{D} H{Hq}/{Hkv}: out/dq/dk/dv",
+        print(f"RAGGED vs EXACT {tag}: out/dq/dk/dv",
               {name: [float(f"{e:.3g}") for e in errs_] for name, errs_ in exact.items()})
         for eg, et in zip(exact["gluon"], exact["triton"]):
             assert eg <= 1.02 * et + 1e-4, exact
         assert exact["gluon"][0] < 1e-1 and max(exact["gluon"][1:]) < 2e-1, exact
     calls.clear()
-    _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=D)  # the Gluon path (from its own saved tensors) against the reference
+    _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=D, causal=causal)  # the Gluon path (its own saved tensors) vs the reference
     assert [c for c, _ in calls].count("dkdv_hopper") == 1, calls  # the reference's saved q8..: not padded, Triton
 
 
 def test_hopper_ragged_fallbacks(monkeypatch):
     """What a ragged dense batch does where the Gluon kernels do not take it, each against the reference: the full
-    mask (their packed variant masks the tail keys by causality only) runs the Triton kernels; the stale delta the
-    Gluon forward and the Triton backward (the padded layout passes LSE2 and delta between the two Gluon kernels:
-    both or neither); the invariant's row sums the Triton backward."""
+    mask with HOPPER_RAGGED_FULL off runs the Triton kernels; the stale delta the Gluon forward and the Triton
+    backward (the padded layout passes LSE2 and delta between the two Gluon kernels: both or neither); the
+    invariant's row sums the Triton backward."""
     skip_unless_gluon_triton()
     calls = _gluon_launches(monkeypatch)
+    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", False)
     _compare(B=2, Hq=4, Hkv=2, N=1000, Dqk=128, causal=False)
     assert calls == [], calls
+    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", True)
     _compare(B=2, Hq=4, Hkv=2, N=1000, Dqk=128, delta="stale")
     assert {c for c, _ in calls} == {"fwd_hopper"}, calls
     calls.clear()

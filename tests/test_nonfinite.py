@@ -344,7 +344,7 @@ def test_quantization_keeps_non_finite_and_tile_mates():
 
 # ----------------------------------------------------------------------------------------------------------------
 # GPU (H200): the Gluon kernels' shapes (fp8 e4m3, D=128, N a multiple of 128, causal, full, a causal packed batch,
-# a causal tail) and the Triton kernels on the same and on tails; `pytest -m gpu tests/test_nonfinite.py`
+# causal and full tails) and the Triton kernels on the same and on tails; `pytest -m gpu tests/test_nonfinite.py`
 # ----------------------------------------------------------------------------------------------------------------
 
 _GPU_LAYOUTS = {
@@ -356,6 +356,7 @@ _GPU_LAYOUTS = {
     # N not a multiple of 128: the last key tile reads past each head's end, into the zero rows its fp8 copies are
     # padded with (the Gluon kernels: their packed variant, launch.HOPPER_RAGGED)
     "tail200": dict(B=2, Hq=4, Hkv=2, N=200, D=128, causal=True),
+    "full200": dict(B=2, Hq=4, Hkv=2, N=200, D=128, causal=False),
     "window256": dict(B=2, Hq=4, Hkv=2, N=256, D=128, causal=True, window=100),  # Triton only
 }
 # As on the CPU: a causal or full sequence spreads a NaN in k or v over (nearly) all of it, so each layout's spots
@@ -373,6 +374,7 @@ _GPU_SPOTS = {
     "packed512": ([(0, 0, 207, 3, NAN), (0, 1, 208, 5, INF), (0, 0, 335, 0, -INF), (0, 1, 336, 127, NAN)],
                   [(0, 0, 207, 3, INF), (0, 0, 208, 5, NAN), (0, 0, 336, 0, -INF), (0, 0, 511, 9, NAN)]),
     "tail200": (_GPU_QDO_B2, [(0, 0, 127, 3, NAN), (0, 1, 10, 5, INF), (0, 1, 70, 0, -INF)]),
+    "full200": (_GPU_QDO_B2, [(0, 0, 127, 3, NAN), (1, 0, 70, 5, INF), (1, 0, 128, 0, -INF)]),
     "window256": (_GPU_QDO_B2, [(0, 0, 127, 3, NAN), (1, 0, 70, 5, INF), (1, 1, 128, 0, -INF)]),
 }
 
@@ -408,7 +410,8 @@ def _gpu_check(layout, kernels, precision, tensor):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
-@pytest.mark.parametrize("layout", ["causal256", "full256", "causal512", "full512", "packed512", "tail200"])
+@pytest.mark.parametrize("layout", ["causal256", "full256", "causal512", "full512", "packed512", "tail200",
+                                    "full200"])
 def test_gpu_gluon(layout, tensor):
     _gpu_check(layout, "gluon", "fp8", tensor)
 
@@ -416,7 +419,7 @@ def test_gpu_gluon(layout, tensor):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
-@pytest.mark.parametrize("layout", ["causal256", "full256", "packed512", "tail200", "window256"])
+@pytest.mark.parametrize("layout", ["causal256", "full256", "packed512", "tail200", "full200", "window256"])
 def test_gpu_triton(layout, precision, tensor):
     _gpu_check(layout, "triton", precision, tensor)
 

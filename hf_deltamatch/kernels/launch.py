@@ -18,7 +18,7 @@ from ._fp8 import INTERPRET
 # "dkdv" (warps, stages), f"{k}_maxnreg" (ptxas register cap), "fwd_tma" / "dq_tma", "dkdv_lse2", "dkdv_p256".
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
-# on packed batches) and "hopper_ragged" (on dense causal batches of N not a multiple of 128). Each is read where its
+# on packed batches) and "hopper_ragged" (on dense batches of N not a multiple of 128). Each is read where its
 # default is defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
@@ -254,8 +254,8 @@ def _hopper_case(**case) -> bool:
 def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
                     device, lse2_in: bool, p_shift: int, packed: bool = False, causal: bool = False) -> str | None:
     """None where the input is the Gluon kernels' case, else why not (one phrase, for the dispatch log): fp8 e4m3,
-    Dqk = Dv in 64/128, block 128, no window, and N = M a multiple of 128, or N = M otherwise under a causal mask
-    (HOPPER_RAGGED or TUNE["hopper_ragged"]), or a packed batch they take (packed: varlen, causal, cu_seqlens_q =
+    Dqk = Dv in 64/128, block 128, no window, and N = M a multiple of 128, or N = M otherwise (HOPPER_RAGGED or
+    TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen, causal, cu_seqlens_q =
     cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested Triton
     (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes only
     for inputs the Gluon kernels would otherwise take."""
@@ -278,8 +278,8 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     # no lengths in the phrases: the dispatch log keys on them, one line per kind of input, not per length
     if not varlen and (n != m or n == 0):
         return "N != M or N = 0 (N = M > 0 only)"
-    if not varlen and n % 128 and not causal:
-        return "N not a multiple of 128 under the full mask (ragged batches: causal only)"
+    if not varlen and n % 128 and not (causal or HOPPER_RAGGED_FULL):
+        return "N not a multiple of 128 under the full mask (HOPPER_RAGGED_FULL off)"
     if not varlen and n % 128 and not TUNE.get("hopper_ragged", HOPPER_RAGGED):
         return "ragged dense batches switched off (TUNE['hopper_ragged'])"
     if not (lse2_in and p_shift == 8):
@@ -296,12 +296,14 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     return None
 
 
-# Whether the Gluon kernels take dense causal batches whose N (= M) is not a multiple of 128 ("ragged"): they run the
-# packed batches' variant of the kernels with each head as one sequence of N tokens in its rows rounded up to 128
+# Whether the Gluon kernels take dense batches whose N (= M) is not a multiple of 128 ("ragged"): they run the packed
+# batches' variant of the kernels (VARLEN) with each head as one sequence of N tokens in its rows rounded up to 128
 # (quantize.TAIL_ROWS), which the dense fp8 copies have already (zeros past N), so q8, k8, v8 and dO8 are not copied;
-# the per-row scales and LSE go to that layout (ops._backward_padded). The full mask would need the tail keys masked
-# in the kernels: the Triton kernels run it.
+# the per-row scales and LSE go to that layout (ops._backward_padded). Causal masks hide the padded keys; under the
+# full mask (HOPPER_RAGGED_FULL) the forward and dQ kernels mask the last key tile past N (VARLEN without CAUSAL, a
+# variant no packed batch takes) and the dQ kernel's pass 2 is not pipelined (_dq_hopper_cfg).
 HOPPER_RAGGED = True
+HOPPER_RAGGED_FULL = True
 
 # The dispatch log (issue #32): one DEBUG line per distinct case on the "hf_deltamatch" logger, naming the kernels a
 # call takes and, where they are not the Gluon ones, why
@@ -410,10 +412,11 @@ def _fwd_hopper_cfg() -> dict:
     return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)), regs=FWD_HOPPER_REGS)
 
 
-def _dq_hopper_cfg(d: int, causal: bool) -> dict:
+def _dq_hopper_cfg(d: int, causal: bool, padded: bool = False) -> dict:
     """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES (DQ_HOPPER_PIPE_STAGES when pipelined, or
-    TUNE["dq_hopper_stages"]), DQ_HOPPER_PINGPONG, and DQ_HOPPER_PIPE_FULL without a causal mask."""
-    pipe = d in DQ_HOPPER_PIPE_FULL and not causal
+    TUNE["dq_hopper_stages"]), DQ_HOPPER_PINGPONG, and DQ_HOPPER_PIPE_FULL without a causal mask, except on the
+    padded layout (packed, ragged: `padded`), whose last key tile the pipelined pass would not mask."""
+    pipe = d in DQ_HOPPER_PIPE_FULL and not causal and not padded
     stages = DQ_HOPPER_PIPE_STAGES.get(d, DQ_HOPPER_STAGES) if pipe else DQ_HOPPER_STAGES
     return dict(stages=int(TUNE.get("dq_hopper_stages", stages)), pingpong=DQ_HOPPER_PINGPONG.get(d, 0), pipe=pipe)
 

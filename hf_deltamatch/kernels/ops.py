@@ -406,7 +406,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         seg = _layout(cu_seqlens_q, packing) if varlen else _dense_layout(N, dev)
         delta_p = _backward_padded(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, seg,
                                    softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq,
-                                   dense=not varlen)
+                                   dense=not varlen, causal=bool(causal))
         if return_delta:
             _unpad_rows(delta_p, seg, delta)
         return _ret()
@@ -506,9 +506,10 @@ def _blocks(n, warpgroups):
 
 
 def _backward_padded(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n, nseq,
-                     dense=False):
-    """The backward of a packed batch, or of a ragged dense one (`dense`: seg is its _dense_layout), through the
-    Gluon kernels (backward() checked the case): every input copied into seg's padded layout (segments.py: LSE
+                     dense=False, causal=True):
+    """The backward of a packed batch (causal), or of a ragged dense one (`dense`: seg is its _dense_layout; causal
+    or not), through the Gluon kernels (backward() checked the case): every input copied into seg's padded layout
+    (segments.py: LSE
     padded with -inf, so a padded row's P is 0; dO quantized straight into it), but a dense batch's q8, k8, v8,
     which are in it already (_padded_view); dq, dk, dv written to their packed rows. LSE2, delta and the dS scales
     stay in the padded layout between the two kernels."""
@@ -529,15 +530,16 @@ def _backward_padded(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
     delta, lse2 = torch.empty((B, Hq, seg.npad), **rows), torch.empty((B, Hq, seg.npad), **rows)
     dss_tq, dss_tk = seg.npad // DS_TILE_Q, seg.npad // config.block
     dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
-    common = dict(causal=True, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
-    grid, n_tiles, head_group = _grid("dq", _blocks(max_n, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, True)
+    common = dict(causal=causal, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
+    grid, n_tiles, head_group = _grid("dq", _blocks(max_n, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, causal)
     dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
               n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
-              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg(D, True))
+              pow2=config.scale_rounding == "pow2", row_sums=False, **common,
+              **_dq_hopper_cfg(D, causal, padded=True))
     del k8t
     q8t = token_major(q8_, k_order=True, src=seg.src)
-    cfg = _dkdv_hopper_cfg(D, causal=True, groups=Hq // Hkv, packed=True)
-    grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, True)
+    cfg = _dkdv_hopper_cfg(D, causal=causal, groups=Hq // Hkv, packed=True)
+    grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, causal)
     dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
                 head_group=head_group, **common, **cfg)
     return delta  # padded, as the kernels used it
