@@ -255,10 +255,10 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
                     device, lse2_in: bool, p_shift: int, packed: bool = False, causal: bool = False) -> str | None:
     """None where the input is the Gluon kernels' case, else why not (one phrase, for the dispatch log): fp8 e4m3,
     Dqk = Dv in 64/128, block 128, no window, and N = M a multiple of 128, or N = M otherwise (HOPPER_RAGGED or
-    TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen, causal, cu_seqlens_q =
-    cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested Triton
-    (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes only
-    for inputs the Gluon kernels would otherwise take."""
+    TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen,
+    causal, cu_seqlens_q = cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested
+    Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes
+    only for inputs the Gluon kernels would otherwise take."""
     if INTERPRET:
         return "TRITON_INTERPRET=1 (Gluon has no interpreter)"
     if not fp8:

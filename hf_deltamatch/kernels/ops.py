@@ -509,10 +509,9 @@ def _backward_padded(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
                      dense=False, causal=True):
     """The backward of a packed batch (causal), or of a ragged dense one (`dense`: seg is its _dense_layout; causal
     or not), through the Gluon kernels (backward() checked the case): every input copied into seg's padded layout
-    (segments.py: LSE
-    padded with -inf, so a padded row's P is 0; dO quantized straight into it), but a dense batch's q8, k8, v8,
-    which are in it already (_padded_view); dq, dk, dv written to their packed rows. LSE2, delta and the dS scales
-    stay in the padded layout between the two kernels."""
+    (segments.py: LSE padded with -inf, so a padded row's P is 0; dO quantized straight into it) but a dense batch's
+    q8, k8, v8, which are in it already (_padded_view); dq, dk, dv written to their packed rows. LSE2, delta and the
+    dS scales stay in the padded layout between the two kernels."""
     from .dkdv_hopper import dkdv_hopper
     from .dq_hopper import dq_hopper
     B, Hq, _, D = q8.shape
