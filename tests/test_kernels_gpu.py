@@ -529,8 +529,9 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
         finite;
       - against the reference backend (_compare: FP8_TOL, the Gluon tests' tolerance) and exact float64 attention:
         there the FP8 quantization dominates (test_against_exact_attention measured 4.7e-2 on out, 5-6e-2 on the
-        gradients at N = 2048), the same for both kernels, so the Gluon kernels' errors must stay within 2 % of the
-        Triton kernels' (a masking fault adds tens of percent), and under that test's 5e-2 / 1e-1 doubled."""
+        gradients at N = 2048), the same for both kernels, so the Gluon kernels' errors must stay within 5 % + 1e-3
+        of the Triton kernels' (the two differ by < 1e-3, checked above; a masking fault adds tens of percent), and
+        under that test's 5e-2 / 1e-1 doubled."""
     skip_unless_gluon_triton()
     calls = _gluon_launches(monkeypatch)
     npad = -(-N // 128) * 128
@@ -571,7 +572,7 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
         print(f"RAGGED vs EXACT {tag}: out/dq/dk/dv",
               {name: [float(f"{e:.3g}") for e in errs_] for name, errs_ in exact.items()})
         for eg, et in zip(exact["gluon"], exact["triton"]):
-            assert eg <= 1.02 * et + 1e-4, exact
+            assert eg <= 1.05 * et + 1e-3, exact
         assert exact["gluon"][0] < 1e-1 and max(exact["gluon"][1:]) < 2e-1, exact
     calls.clear()
     _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=D, causal=causal)  # the Gluon path (its own saved tensors) vs the reference
