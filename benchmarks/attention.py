@@ -12,7 +12,7 @@ Times fwd, bwd and fwd+bwd of
 and records peak memory and the relative error of out/dq/dk/dv against an fp32 reference for each.
 Results go to <out>/attention-<date>-<gpu>.json and .md; the markdown is printed to stdout last.
 
-  python benchmarks/attention.py                 # every preset (ANCHORS.md shapes, D=64, GQA, N=65536)
+  python benchmarks/attention.py                 # every preset (ANCHORS.md shapes, D=64, GQA, N=65536, N=8000)
   python benchmarks/attention.py --quick         # one shape (N=8192 causal)
   python benchmarks/attention.py --shapes n8192c,gqa --ops dm-fp8-matching,sdpa-cudnn
   python benchmarks/attention.py --shapes gptoss --sinks   # the sinks row (gpt-oss-like GQA 8:1, D=64)
@@ -85,6 +85,8 @@ PRESETS = {
     "gqa": Shape("gqa", 2, 16, 4, 8192, 128, True),
     "n65536c": Shape("n65536c", 1, 16, 16, 65536, 128, True),
     "gptoss": Shape("gptoss", 2, 32, 4, 8192, 64, True),  # gpt-oss's head dim and 8:1 GQA (with --sinks)
+    # N not a multiple of 128 (issue #32): the Gluon kernels' padded path (launch.HOPPER_RAGGED); B*N = 16000
+    "ragged": Shape("ragged", 2, 16, 16, 8000, 128, True),
 }
 QUICK = ["n8192c"]
 # Dry run (CPU, reference backend): GQA + causal, and full attention with a short last tile.

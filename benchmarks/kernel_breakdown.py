@@ -36,6 +36,9 @@ SHAPES = {
     "d64-full": (2, 32, 32, 8192, 64, False),
     "gqa-causal": (2, 16, 4, 8192, 128, True),
     "d256-causal": (2, 8, 8, 8192, 256, True),
+    # N not a multiple of 128 (issue #32): the Gluon kernels' padded path (launch.HOPPER_RAGGED; the Triton kernels
+    # with --variants "{'hopper_ragged': False}")
+    "ragged-d128": (2, 16, 16, 8000, 128, True),
     # packed batches (varlen, B = 1, causal within each document): 32768 tokens, as four 8K training rows that
     # DataCollatorWithFlattening flattened into one, documents of PACKED_DOCS' seeded lengths
     "packed-d128": (1, 16, 16, 32768, 128, True),

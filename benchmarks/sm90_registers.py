@@ -436,7 +436,8 @@ def main():
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--full", action="store_true", help="the full mask instead of causal")
     p.add_argument("--groups", type=int, default=1, help="query heads per KV head (GQA)")
-    p.add_argument("--varlen", action="store_true", help="the Gluon kernels' packed-batch variant (causal)")
+    p.add_argument("--varlen", action="store_true", help="the Gluon kernels' packed-batch variant (causal; with "
+                                                          "--full the ragged dense batches' full-mask one)")
     p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) and PTX to, "
                                   "<kernel>.sass / .ptx")
     p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
@@ -506,7 +507,7 @@ def main():
                                                             PIPE=pipe_mode(cfg["pipe"], cfg["fresh_dp"])), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
-            cfg = KL._dq_hopper_cfg(args.d, causal)
+            cfg = KL._dq_hopper_cfg(args.d, causal, padded=args.varlen)
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=cfg["stages"],
                 SCALE_AFTER_SUM=KL._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,

@@ -513,6 +513,96 @@ def test_gluon_triton_version_gate(monkeypatch):
     assert gluon() == ((False, False, False), [])  # not sm_90: no Gluon kernel, no warning
 
 
+def test_gluon_case_and_why_not(monkeypatch):
+    """launch._hopper_why_not, the one predicate behind the Gluon kernels' dispatch (_hopper_case) and the dispatch
+    log: None for their case, else the first reason against it. Dense batches of N = M not a multiple of 128
+    ("ragged", launch.HOPPER_RAGGED) take them, causal or (HOPPER_RAGGED_FULL) under the full mask; TUNE
+    ["hopper_ragged"] switches that off. The capability, device and Triton version are faked: the predicate is host
+    logic (tests/test_kernels_gpu.py::test_hopper_ragged runs the kernels)."""
+    import types
+
+    import triton
+
+    monkeypatch.setattr(KL, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
+    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+    base = dict(fp8=True, e4m3=True, dqk=128, dv=128, block=128, varlen=False, window=None, n=8000, m=8000,
+                device=types.SimpleNamespace(type="cuda"), lse2_in=True, p_shift=8, causal=True)
+
+    def why(**change):
+        return KL._hopper_why_not(**{**base, **change})
+
+    for n in (8000, 1000, 200, 129, 8192):
+        for causal in (True, False):
+            assert why(n=n, m=n, causal=causal) is None and KL._hopper_case(**{**base, "n": n, "m": n,
+                                                                                "causal": causal})
+    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", False)
+    assert why(n=8192, m=8192, causal=False) is None and why() is None
+    assert "full mask" in why(causal=False) and not KL._hopper_case(**{**base, "causal": False})
+    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", True)
+    # the padded layout's dQ kernel masks its last key tile in the plain pass 2 only: never the pipelined one
+    assert KL._dq_hopper_cfg(128, False)["pipe"] and not KL._dq_hopper_cfg(128, False, padded=True)["pipe"]
+    for change, phrase in ((dict(fp8=False), "bf16"), (dict(e4m3=False), "e5m2"), (dict(dqk=256, dv=256), "Dqk=256"),
+                           (dict(dv=64), "Dv=64"), (dict(block=64), "block=64"), (dict(window=100), "window"),
+                           (dict(m=8192), "N != M"), (dict(varlen=True), "varlen"),
+                           (dict(lse2_in=False), "LSE2"), (dict(device=types.SimpleNamespace(type="cpu")), "cpu")):
+        got = why(**change)
+        assert got is not None and phrase in got, (change, got)
+    assert why(varlen=True, packed=True) is None
+    K.TUNE["hopper_ragged"] = False
+    try:
+        assert "hopper_ragged" in why() and why(n=8192, m=8192) is None
+    finally:
+        K.TUNE.clear()
+    # each kernel's own switch on top: the forward, dQ (matching delta only) and dK/dV all take a ragged batch
+    fwd = {k: base[k] for k in ("fp8", "dqk", "dv", "block", "varlen", "window", "n", "m", "device", "causal")}
+    assert KL._fwd_hopper(128, **fwd) and KL._dq_hopper(128, stale=False, **base) and KL._dkdv_hopper(128, **base)
+    assert not KL._dq_hopper(128, stale=True, **base)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "10.0" in why()
+    monkeypatch.setattr(KL, "INTERPRET", True)
+    assert "TRITON_INTERPRET" in why()
+
+
+def test_dispatch_log_once_per_case(monkeypatch, caplog):
+    """The dispatch log (issue #32): kernels.forward and kernels.backward say at DEBUG, on the "hf_deltamatch"
+    logger, which kernels a call takes and why not the Gluon ones, once per distinct case (a second call of the same
+    case, or another N of the same kind, logs nothing; another mask does); nothing while DEBUG is off, and the
+    case still logs once it is on."""
+    import logging
+
+    monkeypatch.setattr(KL, "_LOGGED", set())
+    g = torch.Generator().manual_seed(0)
+
+    def call(N, causal=True):
+        q, k, v, do = (torch.randn(1, 1, N, 16, generator=g).to(torch.bfloat16).to(DEV) for _ in range(4))
+        kw = dict(causal=causal, softmax_scale=0.25, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        f = K.forward(q, k, v, **kw)
+        K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "hf_deltamatch"]
+
+    with caplog.at_level(logging.INFO, logger="hf_deltamatch"):
+        call(72)
+    assert lines() == []
+    with caplog.at_level(logging.DEBUG, logger="hf_deltamatch"):
+        call(72)
+        call(72)
+        call(40)  # another N not a multiple of 128: the same case
+        assert len(lines()) == 2, lines()
+        fwd, bwd = lines()
+        assert fwd.startswith("kernels forward: Triton for fp8 D=16/16, causal, a dense batch, N = M not a multiple "
+                              "of 128 (not Gluon: "), fwd
+        assert bwd.startswith("kernels backward: dQ Triton, dK/dV Triton for fp8 D=16/16, causal"), bwd
+        if DEV == "cpu":  # the interpreter is asked first
+            assert "TRITON_INTERPRET=1" in fwd and "TRITON_INTERPRET=1" in bwd
+        call(72, causal=False)
+        assert len(lines()) == 4 and "full mask" in lines()[2], lines()
+
+
 def test_sm90_ptxas_major_reads_the_version():
     """launch._sm90_ptxas_major: the CUDA major version of the ptxas Triton runs for sm_90 (CUDA 12 with Triton 3.6
     and 3.7, 13 with 3.9), which decides the dK/dV kernel's pipelined MMA (DKDV_HOPPER_PIPE)."""

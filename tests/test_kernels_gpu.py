@@ -116,13 +116,14 @@ def test_varlen_tma_aligned_starts():
 
 def test_tma_equals_pointer_paths_on_tail_tiles():
     """Dense N = 4000 (not whole 128-token tiles): TMA tiles past a head's end read the zero rows the heads of q8,
-    k8, v8 are padded with (ops._tma_rows); the same bits as the pointer loads."""
+    k8, v8 are padded with (ops._tma_rows); the same bits as the pointer loads. The Triton kernels (the Gluon ones
+    take this batch by default: test_hopper_ragged)."""
     q, k, v, do = _inputs(2, 8, 2, 4000, 4000, 128, 128, torch.bfloat16)
     kw = dict(causal=True, softmax_scale=128 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
               config=DeltaMatchConfig())
     runs = []
     for on in (True, False):
-        K.TUNE.update(fwd_tma=on, dq_tma=on)
+        K.TUNE.update(fwd_tma=on, dq_tma=on, hopper_ragged=False)
         try:
             f = K.forward(q, k, v, **kw)
             runs.append((*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)))
@@ -489,6 +490,118 @@ def test_hopper_packed(cu, D, tune):
         _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu)  # the Gluon path against the reference
     finally:
         K.TUNE.clear()
+
+
+def _gluon_launches(monkeypatch):
+    """The Gluon kernels' launches from here on, as [(launcher, its segments argument)]: their host launchers are
+    wrapped and called through (ops.py imports them at each call), so a test sees which kernels really ran."""
+    from hf_deltamatch.kernels import dkdv_hopper, dq_hopper, fwd_hopper
+    calls = []
+    for mod, name in ((fwd_hopper, "fwd_hopper"), (dq_hopper, "dq_hopper"), (dkdv_hopper, "dkdv_hopper")):
+        def launch(*args, _real=getattr(mod, name), _name=name, **kwargs):
+            calls.append((_name, kwargs.get("segments")))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(mod, name, launch)
+    return calls
+
+
+def _exact(q, k, v, do, causal):
+    """Exact attention in float64 (SDPA's math on the GPU): out and (dq, dk, dv), GQA by repeating k, v."""
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    o = torch.nn.functional.scaled_dot_product_attention(qd, kd.repeat_interleave(groups, 1),
+                                                         vd.repeat_interleave(groups, 1), is_causal=causal)
+    o.backward(do.double())
+    return o, (qd.grad, kd.grad, vd.grad)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("N", [8000, 1000, 200, 129])
+def test_hopper_ragged(N, D, causal, monkeypatch):
+    """Dense batches whose N is not a multiple of 128 on the Gluon kernels (launch.HOPPER_RAGGED: their packed
+    variant, each head one sequence in the rows the fp8 copies are padded to, ops._dense_layout; under the full mask
+    the forward and dQ kernels mask the last key tile past N), B = 2 (a TMA tile past a head's end reads its zero
+    rows, not the next head), GQA and MHA, causal and full:
+      - the Gluon forward, dQ and dK/dV kernels really launch, with the dense layout; with TUNE hopper_ragged off none;
+      - against the Triton kernels on the same inputs: the forward within the dense Gluon forward's 1e-3 (LSE 1e-4),
+        the saved tensors bit for bit, the backward and the returned delta within the packed test's 1e-3, all
+        finite;
+      - against the reference backend (_compare: FP8_TOL, the Gluon tests' tolerance) and exact float64 attention:
+        there the FP8 quantization dominates (test_against_exact_attention measured 4.7e-2 on out, 5-6e-2 on the
+        gradients at N = 2048), the same for both kernels, so the Gluon kernels' errors must stay within 5 % + 1e-3
+        of the Triton kernels' (the two differ by < 1e-3, checked above; a masking fault adds tens of percent), and
+        under that test's 5e-2 / 1e-1 doubled."""
+    skip_unless_gluon_triton()
+    calls = _gluon_launches(monkeypatch)
+    npad = -(-N // 128) * 128
+    for Hq, Hkv in ((4, 2), (4, 4)):
+        q, k, v, do = _inputs(2, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=11)
+        kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        runs = {}
+        for name, opts in (("gluon", {}), ("triton", dict(hopper_ragged=False))):
+            K.TUNE.update(opts)
+            calls.clear()
+            try:
+                f = K.forward(q, k, v, **kw)
+                runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, return_delta=True))
+            finally:
+                K.TUNE.clear()
+            if name == "gluon":  # the comparison proves nothing unless the Gluon kernels ran
+                assert [c for c, _ in calls] == ["fwd_hopper", "dq_hopper", "dkdv_hopper"], calls
+                for _, seg in calls:
+                    assert seg.cu.tolist() == [0, N] and seg.pcu.tolist() == [0, npad] and seg.npad == npad
+            else:
+                assert calls == [], calls
+        (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
+        err, lse_err = _rel(fg[0], ft[0]), (fg[1] - ft[1]).abs().max().item()
+        errs = [_rel(a, b) for a, b in zip(gg, gt)]
+        tag = f"N{N} D{D} H{Hq}/{Hkv} {'causal' if causal else 'full'}"
+        print(f"GLUON RAGGED vs TRITON {tag}: out {err:.3g} lse {lse_err:.3g} dq/dk/dv/delta",
+              [float(f"{e:.3g}") for e in errs])
+        assert err < 1e-3 and lse_err < 1e-4, (err, lse_err)
+        for a, b in zip(fg[2:], ft[2:]):  # q8, k8, v8 and their scales: the same quantization
+            assert a.shape == b.shape and torch.equal(a.float(), b.float())
+        assert max(errs) < 1e-3, errs
+        for t in (*fg[:2], *gg):
+            assert torch.isfinite(t).all()
+        o, grads = _exact(q, k, v, do, causal)
+        exact = {name: [_rel(f_[0], o)] + [_rel(a, b) for a, b in zip(g_[:3], grads)]
+                 for name, (f_, g_) in runs.items()}
+        print(f"RAGGED vs EXACT {tag}: out/dq/dk/dv",
+              {name: [float(f"{e:.3g}") for e in errs_] for name, errs_ in exact.items()})
+        for eg, et in zip(exact["gluon"], exact["triton"]):
+            assert eg <= 1.05 * et + 1e-3, exact
+        assert exact["gluon"][0] < 1e-1 and max(exact["gluon"][1:]) < 2e-1, exact
+    calls.clear()
+    _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=D, causal=causal)  # the Gluon path (its own saved tensors) vs the reference
+    assert [c for c, _ in calls].count("dkdv_hopper") == 1, calls  # the reference's saved q8..: not padded, Triton
+
+
+def test_hopper_ragged_fallbacks(monkeypatch):
+    """What a ragged dense batch does where the Gluon kernels do not take it, each against the reference: the full
+    mask with HOPPER_RAGGED_FULL off runs the Triton kernels; the stale delta the Gluon forward and the Triton
+    backward (the padded layout passes LSE2 and delta between the two Gluon kernels: both or neither); the
+    invariant's row sums the Triton backward."""
+    skip_unless_gluon_triton()
+    calls = _gluon_launches(monkeypatch)
+    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", False)
+    _compare(B=2, Hq=4, Hkv=2, N=1000, Dqk=128, causal=False)
+    assert calls == [], calls
+    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", True)
+    _compare(B=2, Hq=4, Hkv=2, N=1000, Dqk=128, delta="stale")
+    assert {c for c, _ in calls} == {"fwd_hopper"}, calls
+    calls.clear()
+    q, k, v, do = _inputs(1, 4, 4, 1000, 1000, 128, 128, torch.bfloat16, seed=4)
+    kw = dict(causal=True, softmax_scale=128 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    f = K.forward(q, k, v, **kw)
+    *grads, rs, ra = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, return_row_sums=True)
+    assert [c for c, _ in calls] == ["fwd_hopper"], calls
+    ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+    assert all(_rel(a, b) < FP8_TOL for a, b in zip(grads, ref))
+    assert (rs.norm() / ra.norm()).item() <= 1e-5  # the Delta-Matching invariant
 
 
 @pytest.mark.parametrize("stages", [2, 3])

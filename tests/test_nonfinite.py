@@ -343,8 +343,8 @@ def test_quantization_keeps_non_finite_and_tile_mates():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# GPU (H200): the Gluon kernels' shapes (fp8 e4m3, D=128, N a multiple of 128, causal, full, a causal packed batch)
-# and the Triton kernels on the same and on tails; `pytest -m gpu tests/test_nonfinite.py`
+# GPU (H200): the Gluon kernels' shapes (fp8 e4m3, D=128, N a multiple of 128, causal, full, a causal packed batch,
+# causal and full tails) and the Triton kernels on the same and on tails; `pytest -m gpu tests/test_nonfinite.py`
 # ----------------------------------------------------------------------------------------------------------------
 
 _GPU_LAYOUTS = {
@@ -353,13 +353,15 @@ _GPU_LAYOUTS = {
     "causal512": dict(B=1, Hq=4, Hkv=2, N=512, D=128, causal=True),
     "full512": dict(B=1, Hq=4, Hkv=2, N=512, D=128, causal=False),
     "packed512": dict(B=1, Hq=4, Hkv=2, N=512, D=128, causal=True, cu=(0, 208, 336, 512)),
-    # Triton only (N not a multiple of 128): the last key tile reads past each head's end (TMA: into the next head)
+    # N not a multiple of 128: the last key tile reads past each head's end, into the zero rows its fp8 copies are
+    # padded with (the Gluon kernels: their packed variant, launch.HOPPER_RAGGED)
     "tail200": dict(B=2, Hq=4, Hkv=2, N=200, D=128, causal=True),
+    "full200": dict(B=2, Hq=4, Hkv=2, N=200, D=128, causal=False),
     "window256": dict(B=2, Hq=4, Hkv=2, N=256, D=128, causal=True, window=100),  # Triton only
 }
 # As on the CPU: a causal or full sequence spreads a NaN in k or v over (nearly) all of it, so each layout's spots
-# leave a KV head (and its query heads) clean somewhere. tail200's k[0, 1, 10] lies in the rows that the tail tile
-# of KV head 0 reads past its end.
+# leave a KV head (and its query heads) clean somewhere. tail200's k[0, 1, 10] is in the rows after KV head 0's
+# end that its tail tile would read without the padding rows (a NaN there must not reach head 0).
 _GPU_QDO_B2 = [(0, 0, 0, 3, NAN), (0, 1, 127, 5, INF), (1, 2, 128, 0, -INF), (1, 3, 190, 127, NAN)]
 _GPU_QDO_B1 = [(0, 0, 0, 3, NAN), (0, 1, 127, 5, INF), (0, 0, 128, 0, -INF), (0, 1, 400, 127, NAN)]
 _GPU_KV_B1 = [(0, 0, 127, 3, NAN), (0, 0, 256, 5, INF), (0, 0, 511, 0, -INF)]
@@ -372,6 +374,7 @@ _GPU_SPOTS = {
     "packed512": ([(0, 0, 207, 3, NAN), (0, 1, 208, 5, INF), (0, 0, 335, 0, -INF), (0, 1, 336, 127, NAN)],
                   [(0, 0, 207, 3, INF), (0, 0, 208, 5, NAN), (0, 0, 336, 0, -INF), (0, 0, 511, 9, NAN)]),
     "tail200": (_GPU_QDO_B2, [(0, 0, 127, 3, NAN), (0, 1, 10, 5, INF), (0, 1, 70, 0, -INF)]),
+    "full200": (_GPU_QDO_B2, [(0, 0, 127, 3, NAN), (1, 0, 70, 5, INF), (1, 0, 128, 0, -INF)]),
     "window256": (_GPU_QDO_B2, [(0, 0, 127, 3, NAN), (1, 0, 70, 5, INF), (1, 1, 128, 0, -INF)]),
 }
 
@@ -394,7 +397,8 @@ def _gpu_check(layout, kernels, precision, tensor):
             cu = c.cu is not None
             ok = launch._hopper_case(fp8=precision == "fp8", e4m3=True, dqk=c.D, dv=c.D, block=128, varlen=cu,
                                      window=None, n=c.N, m=c.N, device=torch.device("cuda"),
-                                     lse2_in=launch._dkdv_lse2(c.D), p_shift=launch._dkdv_p_shift(c.D, True), packed=cu)
+                                     lse2_in=launch._dkdv_lse2(c.D), p_shift=launch._dkdv_p_shift(c.D, True), packed=cu,
+                                     causal=c.causal)
             if not ok:
                 pytest.skip("the Gluon kernels do not take this input on this GPU/Triton (launch._hopper_case)")
         base = c.run(clean["q"], clean["k"], clean["v"], clean["do"], "triton", precision)
@@ -406,7 +410,8 @@ def _gpu_check(layout, kernels, precision, tensor):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
-@pytest.mark.parametrize("layout", ["causal256", "full256", "causal512", "full512", "packed512"])
+@pytest.mark.parametrize("layout", ["causal256", "full256", "causal512", "full512", "packed512", "tail200",
+                                    "full200"])
 def test_gpu_gluon(layout, tensor):
     _gpu_check(layout, "gluon", "fp8", tensor)
 
@@ -414,7 +419,7 @@ def test_gpu_gluon(layout, tensor):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tensor", ["q", "k", "v", "do"])
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
-@pytest.mark.parametrize("layout", ["causal256", "full256", "packed512", "tail200", "window256"])
+@pytest.mark.parametrize("layout", ["causal256", "full256", "packed512", "tail200", "full200", "window256"])
 def test_gpu_triton(layout, precision, tensor):
     _gpu_check(layout, "triton", precision, tensor)
 

@@ -97,3 +97,31 @@ def test_quantize_padded_equals_quantize_then_pad(fmt):
         quantize_padded(x, seg._replace(tiles=seg.tiles[:2]), fmt)
     with pytest.raises(ValueError, match="at least one"):
         quantize_padded(x, seg, fmt, packed=False, row_major=False)
+
+
+@pytest.mark.parametrize("N", [200, 129, 100])
+def test_dense_ragged_batch_is_its_own_padded_layout(N):
+    """A dense batch whose N is not a multiple of 128 takes the Gluon kernels' packed variant (launch.HOPPER_RAGGED)
+    with each head one sequence of N tokens (ops._dense_layout) in the rows quantize() gives it (N rounded up to
+    128, zeros past N): _padded_view of q8, k8, v8 and dO8 is, without a copy, what segments.pad makes of them, and
+    quantize_padded (the forward's V, the backward's dO; B > 1 here, where packed batches have B = 1) writes the bytes
+    and scales quantize() writes, token-major in k_order over the padded rows (N need not be a multiple of 32)."""
+    from hf_deltamatch.kernels.quantize import quantize, quantize_padded, token_major
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, N, 64, generator=g).to(torch.bfloat16) * 3
+    seg = KO._dense_layout(N, x.device)
+    npad = -(-N // 128) * 128
+    assert seg.npad == npad and seg.cu.tolist() == [0, N] and seg.pcu.tolist() == [0, npad]
+    assert KO._dense_layout(N, x.device) is seg  # cached: no tensors made per call
+    y, _, scale = quantize(x, 128)
+    view = KO._padded_view(y)
+    assert view.shape == (2, 3, npad, 64) and view.data_ptr() == y.data_ptr()
+    assert torch.equal(view.float(), S.pad(y, seg).float()) and not view[:, :, N:].float().any()
+    (none_y, none_s), (py, pyt, ps) = quantize_padded(x, seg, packed=False, token_major=True)
+    assert none_y is None and none_s is None
+    assert torch.equal(py.float(), view.float())
+    assert torch.equal(pyt.float(), token_major(view, k_order=True).float()) and pyt.stride(2) == 1
+    assert torch.equal(ps, S.pad(scale, seg, 1.0)) and torch.equal(ps[:, :, :N], scale)
+    assert (ps[:, :, N:] == 1).all()
+    with pytest.raises(ValueError, match="TAIL_ROWS"):
+        KO._padded_view(y.contiguous())

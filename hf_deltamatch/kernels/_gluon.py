@@ -169,16 +169,20 @@ def _segment(CU, PCU, N, VARLEN: gl.constexpr):
 
 @gluon.jit
 def _query_program(n_tiles, head_group, Hq, Hkv, N, GROUPS: gl.constexpr, CAUSAL: gl.constexpr,
-                   WGS: gl.constexpr = 2):
+                   WGS: gl.constexpr = 2, TAIL: gl.constexpr = False):
     """(KV head b * Hkv + hk, first query of the sequence's block, query head b * Hq + h, key tiles) of a
     query-major program of WGS warpgroups' queries (fwd_hopper, dq_hopper): the heaviest (last, under causal)
-    query blocks first, as the Triton kernels. N: the sequence's tokens (a packed batch: causal only)."""
+    query blocks first, as the Triton kernels. N: the sequence's tokens. TAIL (a padded sequence under the full
+    mask): the last key tile may be partial (its keys past N masked by the caller)."""
     t, pid_bh = _grid_ids(n_tiles, head_group)  # pid_bh: b * Hq + h
     pid_m = n_tiles - 1 - t
     b = pid_bh // Hq
     hk = (pid_bh % Hq) // GROUPS
     q0 = pid_m * (WGS * BLOCK_M)
-    n_k = N // BLOCK_N
+    if TAIL:
+        n_k = (N + BLOCK_N - 1) // BLOCK_N
+    else:
+        n_k = N // BLOCK_N
     if CAUSAL:
         if WGS == 2:
             n_k = (q0 + 2 * BLOCK_M) // BLOCK_N  # key tiles up to the program's diagonal one (N = M)

@@ -4,7 +4,9 @@ The same contract and arithmetic as `_bwd_dq_kernel` (backward.py) with 64-row b
 delta, LSE2_OUT (P_SHIFT 8) and DSS_OUT, for its common case only (launch._dq_hopper says when): fp8 e4m3,
 Dqk = Dv in (64, 128), no window, N = M a multiple of 128, causal or full, any GQA group, or a causal packed
 batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, as LSE, delta, LSE2 and the dS
-scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows).
+scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows; also a dense
+batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N) full:
+launch.HOPPER_RAGGED).
 
 Why: `_bwd_dq_kernel` at D=128 takes 116 KB of shared memory, so one warpgroup runs per SM and nothing
 overlaps its softmax. Here a program covers 128 queries: the loader (1 warp) streams each key tile once for
@@ -221,8 +223,11 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     sk_t = gl.load(SK + kv_row)
     sv_t = gl.load(SV + kv_row)
     # the causal diagonal key tile (the program's last) peeled off both loops: with the mask under a runtime
-    # condition inside the loop, ptxas may predicate it onto every tile (128 instructions per tile)
-    n_plain = n_k - 1 if CAUSAL else n_k
+    # condition inside the loop, ptxas may predicate it onto every tile (128 instructions per tile). The full mask
+    # on a padded sequence (TAIL) peels its last key tile the same way, masked past the sequence's end: the mask
+    # `keys <= rows` with every row at the last token
+    TAIL: gl.constexpr = VARLEN and not CAUSAL
+    n_plain = n_k - 1 if CAUSAL or TAIL else n_k
     mbarrier.wait(qo_bar, 0)
     if PINGPONG:
         if WG == 1:  # warpgroup 0 issues first
@@ -235,6 +240,10 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
         s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
             q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
             s_acc, dp_acc, delta, sk_t, sv_t, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
+    if TAIL:
+        s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+            q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2,
+            rows * 0 + (length - 1), s_acc, dp_acc, delta, sk_t, sv_t, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
     rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
@@ -267,6 +276,11 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
                 q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at,
                 row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, True, STAGES, FMAX,
                 POW2, ROW_SUMS, WG, PINGPONG)
+        if TAIL:
+            s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at,
+                row_f, dp_f, lse2, delta, rows * 0 + (length - 1), s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t,
+                True, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG)
     if PINGPONG:
         if WG == 0:  # the turn warpgroup 1 passed with its last MMAs: every named-barrier arrive is consumed
             wait_turn(WG)
@@ -294,9 +308,11 @@ def _bwd_dq_hopper_kernel(
     VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PIPE: gl.constexpr,
 ):
     gl.static_assert(not (PIPE and CAUSAL), "the pipelined pass 2 is the full mask's (launch._dq_hopper_cfg)")
+    gl.static_assert(not (PIPE and VARLEN), "the pipelined pass 2 masks no key tail (launch._dq_hopper_cfg)")
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
     base, length, start = _segment(CU, PCU, N, VARLEN)
-    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL)
+    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL, 2,
+                                          VARLEN and not CAUSAL)
     if VARLEN:
         if q0 >= length:  # a block past this sequence's end (the grid covers the longest)
             return

@@ -3,7 +3,9 @@
 
 The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case
 (launch._hopper_case): fp8, Dqk = Dv in (64, 128), no window, N = M a multiple of 128, or a causal packed batch
-(VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows). A program
+(VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows; also a
+dense batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N)
+full: launch.HOPPER_RAGGED). A program
 covers 64 queries per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for all
 (a warpgroup whose diagonal comes before the program's last key tile releases that tile unread); v8
 comes token-major with its keys in k_order, so P8 is the score accumulator as it is (_gluon.fp8_operand).
@@ -98,6 +100,11 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
                 p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, True)
             else:
                 p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
+        elif VARLEN:  # the full mask on a padded sequence: the last key tile's keys past its end masked
+            if j == n_k - 1:
+                p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows * 0 + (length - 1), True)
+            else:
+                p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
         else:
             p256, alpha, l_i, m_i = _online_softmax(s_acc, f, m_i, l_i, keys, rows, False)
         # the rows of S's and O's MMA layouts sit in the same threads: the conversion moves nothing
@@ -130,7 +137,8 @@ def _fwd_hopper_kernel(
 ):
     # N: rows per head of the inputs (padded ones for VARLEN), N_OUT: of the outputs O, LSE
     base, length, start = _segment(CU, PCU, N, VARLEN)
-    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL, WGS)
+    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL, WGS,
+                                          VARLEN and not CAUSAL)
     if VARLEN:
         if q0 >= length:  # a block past this sequence's end (the grid covers the longest)
             return

@@ -5,6 +5,7 @@ switches below for tuning runs.
 """
 
 import functools
+import logging
 import os
 import re
 import subprocess
@@ -16,12 +17,14 @@ from ._fp8 import INTERPRET
 # empty in normal use; docs/kernels.md tables every key. Triton kernels: "fwd" / "dq" (BLOCK_M, warps, stages),
 # "dkdv" (warps, stages), f"{k}_maxnreg" (ptxas register cap), "fwd_tma" / "dq_tma", "dkdv_lse2", "dkdv_p256".
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
-# ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", and "hopper_packed" (the
-# Gluon kernels on packed batches). Each is read where its default is defined below.
+# ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
+# on packed batches) and "hopper_ragged" (on dense batches of N not a multiple of 128). Each is read where its
+# default is defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
-              "fwd_hopper", "fwd_hopper_stages", "dkdv_hopper_wgs", "dkdv_hopper_pipe", "hopper_packed"}
+              "fwd_hopper", "fwd_hopper_stages", "dkdv_hopper_wgs", "dkdv_hopper_pipe", "hopper_packed",
+              "hopper_ragged"}
              | {f"{k}_maxnreg" for k in ("fwd", "dq", "dkdv")})
 
 
@@ -243,20 +246,80 @@ def _gluon_triton_ok(warn: bool = True) -> bool:
     return False
 
 
-def _hopper_case(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
-                 device, lse2_in: bool, p_shift: int, packed: bool = False) -> bool:
-    """Whether the input is the Gluon kernels' case: fp8 e4m3, Dqk = Dv in 64/128, block 128, no window, N = M a
-    multiple of 128 or a packed batch they take (packed: varlen, causal, cu_seqlens_q = cu_seqlens_k, B = 1; and
-    HOPPER_PACKED or TUNE["hopper_packed"]), an sm_90 GPU, a tested Triton (_gluon_triton_ok), the dQ kernel's
-    LSE2 with P * 256."""
+def _hopper_case(**case) -> bool:
+    """Whether the input is the Gluon kernels' case (_hopper_why_not says nothing against it)."""
+    return _hopper_why_not(**case) is None
+
+
+def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
+                    device, lse2_in: bool, p_shift: int, packed: bool = False, causal: bool = False) -> str | None:
+    """None where the input is the Gluon kernels' case, else why not (one phrase, for the dispatch log): fp8 e4m3,
+    Dqk = Dv in 64/128, block 128, no window, and N = M a multiple of 128, or N = M otherwise (HOPPER_RAGGED or
+    TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen,
+    causal, cu_seqlens_q = cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested
+    Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes
+    only for inputs the Gluon kernels would otherwise take."""
     if INTERPRET:
-        return False
+        return "TRITON_INTERPRET=1 (Gluon has no interpreter)"
+    if not fp8:
+        return "precision='bf16'"
+    if not e4m3:
+        return "e5m2 gradients"
+    if dqk != dv or dqk not in (64, 128):
+        return f"head dims Dqk={dqk}, Dv={dv} (Dqk = Dv in 64, 128 only)"
+    if block != 128:
+        return f"block={block} (128 only)"
+    if window is not None:
+        return "a sliding window"
+    if varlen and not packed:
+        return "a varlen batch other than causal self-attention in one batch row (cu_seqlens_q = cu_seqlens_k)"
+    if varlen and not TUNE.get("hopper_packed", HOPPER_PACKED):
+        return "packed batches switched off (TUNE['hopper_packed'])"
+    # no lengths in the phrases: the dispatch log keys on them, one line per kind of input, not per length
+    if not varlen and (n != m or n == 0):
+        return "N != M or N = 0 (N = M > 0 only)"
+    if not varlen and n % 128 and not (causal or HOPPER_RAGGED_FULL):
+        return "N not a multiple of 128 under the full mask (HOPPER_RAGGED_FULL off)"
+    if not varlen and n % 128 and not TUNE.get("hopper_ragged", HOPPER_RAGGED):
+        return "ragged dense batches switched off (TUNE['hopper_ragged'])"
+    if not (lse2_in and p_shift == 8):
+        return "the dK/dV kernel's LSE2 or P * 256 switched off (TUNE['dkdv_lse2'] / ['dkdv_p256'])"
+    if device.type != "cuda":
+        return f"device {device.type}"
     import torch
-    shape_ok = (packed and bool(TUNE.get("hopper_packed", HOPPER_PACKED))) if varlen else (
-        n == m and n > 0 and n % 128 == 0)
-    return (fp8 and e4m3 and dqk == dv and dqk in (64, 128) and block == 128 and window is None and shape_ok
-            and lse2_in and p_shift == 8 and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) == (9, 0) and _gluon_triton_ok())
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"compute capability {capability[0]}.{capability[1]} (sm_90 only)"
+    if not _gluon_triton_ok():
+        import triton
+        return f"Triton {triton.__version__} (tested: {', '.join(GLUON_TRITON_VERSIONS)}; {GLUON_ENV}=1 overrides)"
+    return None
+
+
+# Whether the Gluon kernels take dense batches whose N (= M) is not a multiple of 128 ("ragged"): they run the packed
+# batches' variant of the kernels (VARLEN) with each head as one sequence of N tokens in its rows rounded up to 128
+# (quantize.TAIL_ROWS), which the dense fp8 copies have already (zeros past N), so q8, k8, v8 and dO8 are not copied;
+# the per-row scales and LSE go to that layout (ops._backward_padded). Causal masks hide the padded keys; under the
+# full mask (HOPPER_RAGGED_FULL) the forward and dQ kernels mask the last key tile past N (VARLEN without CAUSAL, a
+# variant no packed batch takes) and the dQ kernel's pass 2 is not pipelined (_dq_hopper_cfg).
+HOPPER_RAGGED = True
+HOPPER_RAGGED_FULL = True
+
+# The dispatch log (issue #32): one DEBUG line per distinct case on the "hf_deltamatch" logger, naming the kernels a
+# call takes and, where they are not the Gluon ones, why
+log = logging.getLogger("hf_deltamatch")
+_LOGGED: set = set()
+
+
+def log_dispatch(step: str, kernels: str, case: str, why: str | None = None) -> None:
+    """Log, once per distinct (step, kernels, case, why), that `step` ("forward" / "backward") of an input described
+    by `case` runs `kernels`, and why not the Gluon ones (`why`). Nothing is recorded while DEBUG is off for the
+    logger, so turning it on later still logs every case."""
+    key = (step, kernels, case, why)
+    if key in _LOGGED or not log.isEnabledFor(logging.DEBUG):
+        return
+    _LOGGED.add(key)
+    log.debug("kernels %s: %s for %s%s", step, kernels, case, f" (not Gluon: {why})" if why else "")
 
 
 # Head dims at which the forward comes from fwd_hopper's Gluon kernel where it applies (_hopper_case): 0.95-0.98x
@@ -270,13 +333,19 @@ FWD_HOPPER_REGS = 160
 
 
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
-                device, packed: bool = False) -> bool:
+                device, packed: bool = False, causal: bool = False) -> bool:
     """Whether the forward comes from fwd_hopper's Gluon kernel: FWD_HOPPER_HEAD_DIMS, a packed batch
     (HOPPER_PACKED) or TUNE["fwd_hopper"], and the input is the Gluon kernels' case (_hopper_case; the forward
     always quantizes to e4m3 and has no LSE2)."""
     return bool(TUNE.get("fwd_hopper", d in FWD_HOPPER_HEAD_DIMS or varlen)) and _hopper_case(
-        fp8=fp8, e4m3=True, dqk=dqk, dv=dv, block=block, varlen=varlen, window=window, n=n, m=m, device=device,
-        lse2_in=True, p_shift=8, packed=packed)
+        **_fwd_case(fp8=fp8, dqk=dqk, dv=dv, block=block, varlen=varlen, window=window, n=n, m=m, device=device,
+                    packed=packed, causal=causal))
+
+
+def _fwd_case(**case) -> dict:
+    """_hopper_case's input for the forward (_fwd_hopper's arguments): e4m3, and the dQ kernel's LSE2 and P * 256,
+    which the forward does not use."""
+    return dict(case, e4m3=True, lse2_in=True, p_shift=8)
 
 
 def _dkdv_hopper(d: int, **case) -> bool:
@@ -343,10 +412,11 @@ def _fwd_hopper_cfg() -> dict:
     return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)), regs=FWD_HOPPER_REGS)
 
 
-def _dq_hopper_cfg(d: int, causal: bool) -> dict:
+def _dq_hopper_cfg(d: int, causal: bool, padded: bool = False) -> dict:
     """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES (DQ_HOPPER_PIPE_STAGES when pipelined, or
-    TUNE["dq_hopper_stages"]), DQ_HOPPER_PINGPONG, and DQ_HOPPER_PIPE_FULL without a causal mask."""
-    pipe = d in DQ_HOPPER_PIPE_FULL and not causal
+    TUNE["dq_hopper_stages"]), DQ_HOPPER_PINGPONG, and DQ_HOPPER_PIPE_FULL without a causal mask, except on the
+    padded layout (packed, ragged: `padded`), whose last key tile the pipelined pass would not mask."""
+    pipe = d in DQ_HOPPER_PIPE_FULL and not causal and not padded
     stages = DQ_HOPPER_PIPE_STAGES.get(d, DQ_HOPPER_STAGES) if pipe else DQ_HOPPER_STAGES
     return dict(stages=int(TUNE.get("dq_hopper_stages", stages)), pingpong=DQ_HOPPER_PINGPONG.get(d, 0), pipe=pipe)
 

@@ -11,6 +11,7 @@ forward's P @ V; q, k, dO for the backward) are made on the fly and never saved,
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 
@@ -24,12 +25,12 @@ from .forward import _fwd_kernel
 from .launch import (
     _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
     _dkdv_block_n, _dkdv_ds_scales, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
-    DQ_HOPPER_WARPGROUPS, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_hopper, _fwd_hopper_cfg, _grid,
-    _use_tma,
+    DQ_HOPPER_WARPGROUPS, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_case, _fwd_hopper, _fwd_hopper_cfg,
+    _grid, _hopper_why_not, _use_tma, log, log_dispatch,
 )
 from .quantize import TAIL_ROWS, _fill_outside, quantize, quantize_padded, token_major
 from .._tensor_cache import TensorCache
-from .segments import ROW_ALIGN, pad, padded_layout, padded_rows
+from .segments import ROW_ALIGN, Segments, pad, padded_layout, padded_rows
 
 __all__ = ["backward", "forward", "supports"]
 
@@ -155,6 +156,37 @@ def _packed(packing, B: int, causal: bool, window) -> bool:
     return packing is not None and packing[2] > 0 and B == 1 and bool(causal) and window is None
 
 
+@functools.lru_cache(maxsize=64)
+def _dense_layout(n: int, device) -> Segments:
+    """The padded layout in which the Gluon kernels take a dense batch of N = n tokens per head, n not a multiple of
+    128 (launch.HOPPER_RAGGED): each head one sequence at row 0 of its rows rounded up to 128, the layout that the
+    dense fp8 copies have already (quantize.TAIL_ROWS: zeros past n). Cached per (n, device): no host sync."""
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    return padded_layout(cu, 0, n, -(-n // ROW_ALIGN) * ROW_ALIGN)
+
+
+def _padded_view(x8):
+    """A dense fp8 copy (B, H, N, D) as the (B, H, R, D) view of its storage's rows (R = N rounded up to
+    quantize.TAIL_ROWS, zeros past N: _tma_rows): segments.pad's result for _dense_layout, without a copy."""
+    B, H, N, D = x8.shape
+    if not _tma_rows(x8, False):
+        raise ValueError("_padded_view: the fp8 copy's heads are not padded to quantize.TAIL_ROWS rows (ops._tma_rows)")
+    return x8.as_strided((B, H, x8.stride(1) // D, D), x8.stride())
+
+
+def _case_text(fp8, dqk, dv, causal, window, varlen, packed, n, m) -> str:
+    """The dispatch log's description of an input (launch.log_dispatch): what the kernels' choice depends on, the
+    sequence length only as whether it is a multiple of 128, so that a run logs a few lines, not one per length."""
+    if varlen:
+        layout = "a packed causal batch" if packed else "a varlen batch"
+    elif n != m:
+        layout = "a dense batch, N != M"
+    else:
+        layout = f"a dense batch, N = M {'a' if n % 128 == 0 else 'not a'} multiple of 128"
+    mask = ("causal" + (" + window" if window is not None else "")) if causal else "full mask"
+    return f"{'fp8' if fp8 else 'bf16'} D={dqk}/{dv}, {mask}, {layout}"
+
+
 def _desc(x, tokens: int, dims: int):
     """TMA descriptor over a 2-D view of x (B, H, N, D), boxes of `tokens` x `dims` elements: (B*H*R, D) for
     our row-major tensors (R = N, or N rounded up to quantize.TAIL_ROWS with zero rows: a tile past a head's
@@ -207,8 +239,16 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k, segments=seg)
     d = max(dqk, dv)
     packed = _packed(packing, B, causal, window)
-    hopper = fp8 and _fwd_hopper(d, fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen,
-                                 window=window if causal else None, n=N, m=M, device=q.device, packed=packed)
+    case = dict(fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen, window=window if causal else None, n=N, m=M,
+                device=q.device, packed=packed, causal=bool(causal))
+    hopper = fp8 and _fwd_hopper(d, **case)
+    # a dense batch of N = M not a multiple of 128 (launch.HOPPER_RAGGED): the Gluon kernels' packed variant, each head
+    # one sequence in the rows the fp8 copies have (_dense_layout)
+    ragged = hopper and not varlen and N % ROW_ALIGN != 0
+    if log.isEnabledFor(logging.DEBUG):
+        log_dispatch("forward", "Gluon" if hopper else "Triton", _case_text(fp8, dqk, dv, causal, window, varlen,
+                                                                             packed, N, M),
+                     None if hopper else _hopper_why_not(**_fwd_case(**case)) or "switched off (kernels.TUNE)")
     if fp8 and hopper and varlen:
         # a packed batch: quantized once into the packed tensors the backward keeps and into the padded layout
         # that the Gluon forward reads (segments.py; cu_seqlens_k is cu_seqlens_q there), its V token-major
@@ -219,8 +259,15 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     elif fp8:
         q8, _, sq = quantize(q, **qt, **qkw)
         k8, _, sk = quantize(k, **kt, **kvw)
-        # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
-        v8, v8t, sv = quantize(v, transposed=True, k_order=hopper, **kvw)
+        if ragged:  # V straight into the padded layout, token-major in k_order (N need not be a multiple of 32); the
+            # saved v8 is the row-major copy's first N rows, as quantize() makes it, its scales contiguous
+            seg = _dense_layout(N, q.device)
+            _, (v8p, v8tp, svp) = quantize_padded(v, seg, rounding=config.scale_rounding, packed=False,
+                                                  token_major=True)
+            v8, v8t, sv = v8p[:, :, :N], v8tp, svp[:, :, :N].contiguous()
+        else:
+            # the Gluon forward's V: keys in k_order (its P8 is the score accumulator as is: _gluon.fp8_operand)
+            v8, v8t, sv = quantize(v, transposed=True, k_order=hopper, **kvw)
         qa, ka, va = q8, k8, v8t  # the forward reads V token-major (K-major B operand of P8 @ V)
     else:
         q8, k8, v8 = (q.new_empty(0, dtype=torch.float8_e4m3fn) for _ in range(3))
@@ -240,10 +287,15 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             lse.fill_(float("-inf"))
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
-    if hopper:  # quantize() made q8, k8 contiguous
+    if hopper:
         from .fwd_hopper import WARPGROUPS, fwd_hopper
-        # a packed batch: its padded layout (segments.py); out and lse stay packed
-        ops = (q8p, k8p, v8tp, sqp, skp, svp) if varlen else (q8, k8, v8t, sq, sk, sv)
+        # a packed batch: its padded layout (segments.py); out and lse stay packed. Ragged: q8, k8 are in it already
+        if varlen:
+            ops = (q8p, k8p, v8tp, sqp, skp, svp)
+        elif ragged:
+            ops = (_padded_view(q8), _padded_view(k8), v8t, pad(sq, seg, 1.0), pad(sk, seg, 1.0), svp)
+        else:
+            ops = (q8, k8, v8t, sq, sk, sv)
         grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, WARPGROUPS), B * Hq, nseq,
                                           bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
@@ -300,15 +352,29 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     rs = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     ra = torch.zeros((B, Hq, N), dtype=torch.float32, device=dev) if return_row_sums else delta
     # the Gluon kernels (dkdv_hopper, dq_hopper) where they apply; both take the dS scales from the dQ kernel
-    # packed batches: not with the invariant's row sums (the dQ kernel would write them padded)
     case = dict(fp8=fp8, e4m3=config.grad_format == "e4m3", dqk=dqk, dv=dv, block=T, varlen=varlen,
                 window=window if causal else None, n=N, m=M, device=do.device, lse2_in=lse2_in, p_shift=p_shift,
-                packed=_packed(packing, B, causal, window) and not return_row_sums)
-    case_ok = fp8 and all(t.is_contiguous() for t in (q8, k8, v8))
+                packed=_packed(packing, B, causal, window), causal=bool(causal))
+    # packed and ragged batches (N % 128 != 0: launch.HOPPER_RAGGED) take the kernels' padded layout
+    padded = varlen or N % ROW_ALIGN != 0
+    # the saved q8, k8, v8 as quantize() makes them: contiguous, or with a ragged batch's heads padded (_padded_view)
+    case_ok = fp8 and all(_tma_rows(t, False) if padded and not varlen else t.is_contiguous() for t in (q8, k8, v8))
     hopper = case_ok and _dkdv_hopper(d, **case)
     hopper_dq = case_ok and _dq_hopper(d, stale=stale, **case)
-    if varlen and not (hopper and hopper_dq):  # packed, the two hand each other padded rows: both or neither
+    # padded, the two kernels hand each other padded rows: both or neither; and not with the invariant's row sums
+    # (the dQ kernel would write them padded)
+    if padded and not (hopper and hopper_dq and not return_row_sums):
         hopper = hopper_dq = False
+    if log.isEnabledFor(logging.DEBUG):
+        why = None
+        if not (hopper and hopper_dq):
+            why = _hopper_why_not(**case) or (
+                "the saved q8, k8, v8 are not the kernels' layout (quantize's: contiguous, heads padded to 128 rows)"
+                if not case_ok else "delta='stale' (the Gluon dQ kernel computes the matching delta)" if stale
+                else "the invariant's row sums asked (return_row_sums)" if padded and return_row_sums
+                else "switched off (kernels.TUNE)")
+        log_dispatch("backward", f"dQ {'Gluon' if hopper_dq else 'Triton'}, dK/dV {'Gluon' if hopper else 'Triton'}",
+                     _case_text(fp8, dqk, dv, causal, window, varlen, case["packed"], N, M), why)
     # varlen: zeros for the tokens outside every sequence (and the keys a Triton dK/dV program skips); the Gluon
     # kernels write every token of a packed batch's sequences, so only the rows outside them are zeroed there
     packed_gluon = varlen and hopper and fp8
@@ -336,10 +402,11 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     # kernel, q8t for the dK/dV kernel), but for dO8's, written by dO's quantization pass: at most two 1-byte
     # copies are alive at once.
     k8t = q8t = do8t = None
-    if fp8 and varlen and hopper:
-        seg = _layout(cu_seqlens_q, packing)
-        delta_p = _backward_packed(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, seg,
-                                   softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq)
+    if fp8 and padded and hopper:
+        seg = _layout(cu_seqlens_q, packing) if varlen else _dense_layout(N, dev)
+        delta_p = _backward_padded(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, seg,
+                                   softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq,
+                                   dense=not varlen, causal=bool(causal))
         if return_delta:
             _unpad_rows(delta_p, seg, delta)
         return _ret()
@@ -438,11 +505,13 @@ def _blocks(n, warpgroups):
     return triton.cdiv(max(n, 1), 64 * warpgroups)
 
 
-def _backward_packed(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n, nseq):
-    """The backward of a packed batch through the Gluon kernels (backward() checked the case): every input copied
-    into seg's padded layout (segments.py: LSE padded with -inf, so a padded row's P is 0; dO quantized straight
-    into it), dq, dk, dv written to their packed rows. LSE2, delta and the dS scales stay in the padded layout
-    between the two kernels."""
+def _backward_padded(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n, nseq,
+                     dense=False, causal=True):
+    """The backward of a packed batch (causal), or of a ragged dense one (`dense`: seg is its _dense_layout; causal
+    or not), through the Gluon kernels (backward() checked the case): every input copied into seg's padded layout
+    (segments.py: LSE padded with -inf, so a padded row's P is 0; dO quantized straight into it) but a dense batch's
+    q8, k8, v8, which are in it already (_padded_view); dq, dk, dv written to their packed rows. LSE2, delta and the
+    dS scales stay in the padded layout between the two kernels."""
     from .dkdv_hopper import dkdv_hopper
     from .dq_hopper import dq_hopper
     B, Hq, _, D = q8.shape
@@ -453,22 +522,23 @@ def _backward_packed(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
                                           token_major=True)
     k8t = token_major(k8, k_order=True, src=seg.src)  # padded straight from the packed tensors
     q8_ = q8
-    q8, k8, v8 = (pad(x, seg) for x in (q8, k8, v8))
+    q8, k8, v8 = (_padded_view(x) if dense else pad(x, seg) for x in (q8, k8, v8))
     sq, sk, sv = (pad(s, seg, 1.0) for s in (sq, sk, sv))
     lse = pad(lse, seg, float("-inf"))
     rows = dict(dtype=torch.float32, device=q8.device)
     delta, lse2 = torch.empty((B, Hq, seg.npad), **rows), torch.empty((B, Hq, seg.npad), **rows)
     dss_tq, dss_tk = seg.npad // DS_TILE_Q, seg.npad // config.block
     dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
-    common = dict(causal=True, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
-    grid, n_tiles, head_group = _grid("dq", _blocks(max_n, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, True)
+    common = dict(causal=causal, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
+    grid, n_tiles, head_group = _grid("dq", _blocks(max_n, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, causal)
     dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
               n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
-              pow2=config.scale_rounding == "pow2", row_sums=False, **common, **_dq_hopper_cfg(D, True))
+              pow2=config.scale_rounding == "pow2", row_sums=False, **common,
+              **_dq_hopper_cfg(D, causal, padded=True))
     del k8t
     q8t = token_major(q8_, k_order=True, src=seg.src)
-    cfg = _dkdv_hopper_cfg(D, causal=True, groups=Hq // Hkv, packed=True)
-    grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, True)
+    cfg = _dkdv_hopper_cfg(D, causal=causal, groups=Hq // Hkv, packed=True)
+    grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, causal)
     dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
                 head_group=head_group, **common, **cfg)
     return delta  # padded, as the kernels used it
