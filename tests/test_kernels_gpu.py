@@ -540,7 +540,7 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
         runs = {}
-        for name, opts in (("gluon", {}), ("triton", dict(hopper_ragged=False))):
+        for name, opts in (("gluon", dict(hopper_ragged=True)), ("triton", dict(hopper_ragged=False))):
             K.TUNE.update(opts)
             calls.clear()
             try:
@@ -586,6 +586,7 @@ def test_hopper_ragged_fallbacks(monkeypatch):
     invariant's row sums the Triton backward."""
     skip_unless_gluon_triton()
     calls = _gluon_launches(monkeypatch)
+    monkeypatch.setattr(KL, "HOPPER_RAGGED", True)
     monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", False)
     _compare(B=2, Hq=4, Hkv=2, N=1000, Dqk=128, causal=False)
     assert calls == [], calls

@@ -390,7 +390,8 @@ def _gpu_check(layout, kernels, precision, tensor):
 
     c = Case(**_GPU_LAYOUTS[layout], device="cuda")
     clean, bad, must, may = _poison(c, tensor, _gpu_spots(layout), precision)
-    gluon = dict(fwd_hopper=kernels == "gluon", dq_hopper=kernels == "gluon", dkdv_hopper=kernels == "gluon")
+    gluon = dict(fwd_hopper=kernels == "gluon", dq_hopper=kernels == "gluon", dkdv_hopper=kernels == "gluon",
+                 hopper_ragged=kernels == "gluon")
     K.TUNE.update(gluon)
     try:
         if kernels == "gluon":  # the Gluon kernels run only where launch._hopper_case says (Triton 3.6, sm_90)

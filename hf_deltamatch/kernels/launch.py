@@ -281,7 +281,7 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     if not varlen and n % 128 and not (causal or HOPPER_RAGGED_FULL):
         return "N not a multiple of 128 under the full mask (HOPPER_RAGGED_FULL off)"
     if not varlen and n % 128 and not TUNE.get("hopper_ragged", HOPPER_RAGGED):
-        return "ragged dense batches switched off (TUNE['hopper_ragged'])"
+        return "N not a multiple of 128 (launch.HOPPER_RAGGED / TUNE['hopper_ragged'] off)"
     if not (lse2_in and p_shift == 8):
         return "the dK/dV kernel's LSE2 or P * 256 switched off (TUNE['dkdv_lse2'] / ['dkdv_p256'])"
     if device.type != "cuda":
@@ -301,8 +301,10 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
 # (quantize.TAIL_ROWS), which the dense fp8 copies have already (zeros past N), so q8, k8, v8 and dO8 are not copied;
 # the per-row scales and LSE go to that layout (ops._backward_padded). Causal masks hide the padded keys; under the
 # full mask (HOPPER_RAGGED_FULL) the forward and dQ kernels mask the last key tile past N (VARLEN without CAUSAL, a
-# variant no packed batch takes) and the dQ kernel's pass 2 is not pipelined (_dq_hopper_cfg).
-HOPPER_RAGGED = True
+# variant no packed batch takes) and the dQ kernel's pass 2 is not pipelined (_dq_hopper_cfg). Off until its GPU tests
+# (tests/test_kernels_gpu.py::test_hopper_ragged, test_nonfinite's tail200/full200) have passed on an H200:
+# TUNE["hopper_ragged"] = True turns it on.
+HOPPER_RAGGED = False
 HOPPER_RAGGED_FULL = True
 
 # The dispatch log (issue #32): one DEBUG line per distinct case on the "hf_deltamatch" logger, naming the kernels a
