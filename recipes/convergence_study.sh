@@ -24,9 +24,10 @@
 # tokens per run), MODES ("bf16 fp8-matching fp8-stale fp8-fwd fp8-bwd"; add fp8-bwd-stale to split the stale
 # delta's effect), ATTN_STATS (25), WARM_STEPS (0), INIT, FID_SEQ (2048 tokens x 2 sequences for the fidelity
 # check; FID_DATA: its text, default the offline corpus), PYTHON, EXTRA (more recipe flags for every run),
-# SMOKE=1 (a tiny CPU rehearsal of this script).
-# On the H200, dense-small at 2 x 8K tokens per step ran ~150K tokens/s: ~1.5 minutes per 600-step run with
-# start-up, so the default 5 modes x 3 seeds take about 25-30 minutes.
+# SMOKE=1 (a tiny CPU rehearsal of this script), PARALLEL (1: each mode's seeds one after another in one process;
+# N > 1: every (mode, seed) run in its own process, N at a time on the one GPU).
+# On the H200, dense-small at 2 x 8K tokens per step ran ~150K tokens/s alone: ~1.5 minutes per 600-step run with
+# start-up, so the default 5 modes x 3 seeds take about 25-30 minutes with PARALLEL=1.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -44,9 +45,13 @@ WARM_STEPS=${WARM_STEPS:-0}
 INIT=${INIT:-}
 EXTRA=${EXTRA:-}
 SMOKE=${SMOKE:-0}
+PARALLEL=${PARALLEL:-1}
 FID_SEQ=${FID_SEQ:-$([ "$SMOKE" = 1 ] && echo 128 || echo 2048)}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# flash-linear-attention autotunes its Triton kernels in every new process (13 s of each run's first step on the
+# H200): keep the results on disk so that only the first run pays.
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 export HF_DELTAMATCH_CACHE=${HF_DELTAMATCH_CACHE:-$OUT/cache}
 export HF_DATASETS_CACHE=${HF_DATASETS_CACHE:-$OUT/cache/datasets}
 exec > >(tee -a "$OUT/study.log") 2>&1
@@ -93,15 +98,54 @@ START=()
 
 # ---- the sweeps ----------------------------------------------------------------------------------------------
 TOK=()
-for mode in $MODES; do
-  stamp "mode $mode: seeds $SEEDS"
-  # shellcheck disable=SC2046
-  "$PY" recipes/pretrain.py "${COMMON[@]}" "${START[@]}" "${TOK[@]}" --attn deltamatch_fp8 $(mode_flags "$mode") \
-    --seeds "$SEEDS" --output_dir "$OUT/runs/$mode" --run_name "$mode"
-  if [ -z "$INIT" ] && [ ${#TOK[@]} = 0 ]; then  # one tokenizer (and tokenized-data cache) for every run
-    TOK=(--tokenizer "$OUT/runs/$mode/seed-${SEEDS%%,*}/tokenizer")
-  fi
-done
+FIRST_SEED=${SEEDS%%,*}
+if [ "$PARALLEL" -le 1 ]; then
+  for mode in $MODES; do
+    stamp "mode $mode: seeds $SEEDS"
+    # shellcheck disable=SC2046
+    "$PY" recipes/pretrain.py "${COMMON[@]}" "${START[@]}" "${TOK[@]}" --attn deltamatch_fp8 $(mode_flags "$mode") \
+      --seeds "$SEEDS" --output_dir "$OUT/runs/$mode" --run_name "$mode"
+    if [ -z "$INIT" ] && [ ${#TOK[@]} = 0 ]; then  # one tokenizer (and tokenized-data cache) for every run
+      TOK=(--tokenizer "$OUT/runs/$mode/seed-$FIRST_SEED/tokenizer")
+    fi
+  done
+else
+  # One process per (mode, seed), PARALLEL at a time on the one GPU: a small model leaves it mostly idle, and the
+  # runs' numerics do not depend on their speed. The first run trains the tokenizer (and fills the tokenized-data
+  # cache) alone; every other run reuses both. Each run's output goes to runs/MODE/seed-N.log.
+  run_one() {  # mode seed
+    # shellcheck disable=SC2046
+    "$PY" recipes/pretrain.py "${COMMON[@]}" "${START[@]}" "${TOK[@]}" --attn deltamatch_fp8 $(mode_flags "$1") \
+      --seed "$2" --output_dir "$OUT/runs/$1/seed-$2" --run_name "$1-seed$2" > "$OUT/runs/$1/seed-$2.log" 2>&1
+  }
+  PAIRS=()
+  for mode in $MODES; do
+    mkdir -p "$OUT/runs/$mode"
+    for seed in ${SEEDS//,/ }; do PAIRS+=("$mode:$seed"); done
+  done
+  first=${PAIRS[0]}
+  stamp "run ${first%%:*} seed ${first#*:} (alone: tokenizer and data cache)"
+  run_one "${first%%:*}" "${first#*:}" || { tail -n 40 "$OUT/runs/${first%%:*}/seed-${first#*:}.log"; exit 1; }
+  [ -z "$INIT" ] && TOK=(--tokenizer "$OUT/runs/${first%%:*}/seed-${first#*:}/tokenizer")
+  stamp "the other $(( ${#PAIRS[@]} - 1 )) runs, $PARALLEL at a time"
+  PIDS=()
+  for pair in "${PAIRS[@]:1}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 1; done
+    ( rc=0; run_one "${pair%%:*}" "${pair#*:}" || rc=$?; echo "$rc" > "$OUT/runs/${pair%%:*}/seed-${pair#*:}.rc" ) &
+    PIDS+=($!)
+  done
+  wait "${PIDS[@]}"  # (a bare `wait` would also wait for the log's tee)
+  failed=0
+  for pair in "${PAIRS[@]:1}"; do
+    if [ "$(cat "$OUT/runs/${pair%%:*}/seed-${pair#*:}.rc" 2>/dev/null)" != 0 ]; then
+      echo "error: run ${pair%%:*} seed ${pair#*:} failed; the end of its log:" >&2
+      tail -n 40 "$OUT/runs/${pair%%:*}/seed-${pair#*:}.log" >&2
+      failed=1
+    fi
+  done
+  [ "$failed" = 0 ] || exit 1
+  stamp "all runs finished"
+fi
 
 # ---- fidelity of each mode's seed-0 model on held-out-style text ---------------------------------------------
 FID_DATA=${FID_DATA:-$(ls "$HF_DELTAMATCH_CACHE"/corpus/stdlib-*/docs.jsonl 2>/dev/null | head -1)}
@@ -111,14 +155,31 @@ if [ -z "$FID_DATA" ]; then
 fi
 FID_MODELS=()
 [ -n "$INIT" ] && FID_MODELS+=("init=$INIT")
-for mode in $MODES; do FID_MODELS+=("$mode=$OUT/runs/$mode/seed-${SEEDS%%,*}/final"); done
+for mode in $MODES; do FID_MODELS+=("$mode=$OUT/runs/$mode/seed-$FIRST_SEED/final"); done
 mkdir -p "$OUT/fidelity"
+fidelity_check() {  # name=model_dir
+  "$PY" -m hf_deltamatch.cli check --model "${1#*=}" --data "$FID_DATA" "${FID[@]}" --out "$OUT/fidelity/${1%%=*}" \
+    > "$OUT/fidelity/${1%%=*}.txt" 2>&1
+}
+PIDS=()
 for entry in "${FID_MODELS[@]}"; do
-  name=${entry%%=*}
-  stamp "fidelity check: $name"
-  "$PY" -m hf_deltamatch.cli check --model "${entry#*=}" --data "$FID_DATA" "${FID[@]}" --out "$OUT/fidelity/$name" \
-    | tee "$OUT/fidelity/$name.txt"
+  stamp "fidelity check: ${entry%%=*}"
+  if [ "$PARALLEL" -le 1 ]; then
+    fidelity_check "$entry" || { cat "$OUT/fidelity/${entry%%=*}.txt"; exit 1; }
+    cat "$OUT/fidelity/${entry%%=*}.txt"
+  else
+    while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 1; done
+    fidelity_check "$entry" &
+    PIDS+=($!)
+  fi
 done
+if [ "$PARALLEL" -gt 1 ]; then
+  wait "${PIDS[@]}" || true  # each check's result is its fidelity.json, checked below
+  for entry in "${FID_MODELS[@]}"; do
+    cat "$OUT/fidelity/${entry%%=*}.txt"
+    [ -f "$OUT/fidelity/${entry%%=*}/fidelity.json" ] || { echo "error: fidelity check ${entry%%=*} failed" >&2; exit 1; }
+  done
+fi
 
 # ---- report ----------------------------------------------------------------------------------------------------
 stamp "summary"
@@ -128,7 +189,7 @@ BASE=bf16
 case " $MODES " in *" bf16 "*) ;; *) BASE=${MODES%% *} ;; esac
 "$PY" -m hf_deltamatch.training.sweep "${SWEEPS[@]}" --baseline "$BASE" --table "$OUT/table.md" --json "$OUT/table.json"
 SEED0=()
-for mode in $MODES; do SEED0+=("$OUT/runs/$mode/seed-${SEEDS%%,*}"); done
+for mode in $MODES; do SEED0+=("$OUT/runs/$mode/seed-$FIRST_SEED"); done
 [ -d "$OUT/runs/warm" ] && SEED0=("$OUT/runs/warm" "${SEED0[@]}")
 "$PY" -m hf_deltamatch.training.plot "${SEED0[@]}" -o "$OUT/loss.png" --table "$OUT/table_seed0.md" --x step
 "$PY" - "$OUT" > "$OUT/fidelity.md" <<'PYEOF'

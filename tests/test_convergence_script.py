@@ -18,7 +18,7 @@ from _recipe_helpers import REPO, env
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_convergence_study_smoke(tmp_path):
     e = env()
-    e.update(SMOKE="1", STEPS="2", SEEDS="0,1", ATTN_STATS="1", WARM_STEPS="2",
+    e.update(SMOKE="1", STEPS="2", SEEDS="0,1", ATTN_STATS="1", WARM_STEPS="2", PARALLEL="3",
              MODES="bf16 fp8-matching fp8-stale fp8-fwd fp8-bwd", PYTHON=os.environ.get("PYTHON", sys.executable))
     out = tmp_path / "out"
     r = subprocess.run(["bash", "recipes/convergence_study.sh", str(out)], cwd=REPO, env=e, capture_output=True,
