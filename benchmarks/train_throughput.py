@@ -40,6 +40,7 @@ import datetime
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -433,6 +434,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     device = torch.device(args.device)
+    # each configuration is a fresh process: without the on-disk cache flash-linear-attention autotunes again in each
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     now = datetime.datetime.now(datetime.timezone.utc)
     env = attention_bench.environment(device)
     peak = _peak_tflops(device, args.peak_tflops)

@@ -49,6 +49,9 @@ fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# flash-linear-attention autotunes its Triton kernels in every new process (13 s of each run's first step on the
+# H200): keep the results on disk so that only the first run pays.
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 export HF_DELTAMATCH_CACHE=${HF_DELTAMATCH_CACHE:-$OUT/cache}
 export HF_DATASETS_CACHE=${HF_DATASETS_CACHE:-$OUT/cache/datasets}
 exec > >(tee -a "$OUT/multi_gpu_runs.log") 2>&1
