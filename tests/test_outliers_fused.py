@@ -28,6 +28,7 @@ from hf_deltamatch.kernels.transform import center_rotate_, transform_grads  # n
 OPTIONS = {"hadamard": dict(qk_rotation="hadamard"), "smooth_k": dict(smooth_k=True),
            "both": dict(qk_rotation="hadamard", smooth_k=True)}
 CU = [0, 70, 71, 200, 271]  # a one-token sequence; the last ends past a 128-token tile
+LAYOUTS = ["dense", "varlen", "tiles", "padded"]
 
 
 def _bits(t):
@@ -53,11 +54,25 @@ def _assert_fp8_close(got, want, max_share):
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
-@pytest.mark.parametrize("layout", ["dense", "varlen", "tiles", "padded"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_quantization_pass_is_bit_identical_to_the_unfused_transform(option, layout):
     """q8, k8 and scales from the fused pass vs quantize(outliers.transform_qk's q', k'), for each layout the
     forward quantizes in: a dense batch (block 64), a varlen one (one program per sequence x tile), a packed one by
     its tile list (segments.py) and straight into the Gluon kernels' padded layout."""
+    _check_quantization_pass(option, layout)
+
+
+@pytest.mark.parametrize("option", ["hadamard", "both"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rotation_pass_with_several_tiles_per_program(option, layout, monkeypatch):
+    """The rotation's launch with 3 tiles per program (launch.QUANTIZE_ROTATE_TILES; the H200's launches at small
+    shapes take 1): R loaded once, each next tile prefetched; the last program's tiles run past the head's (dense:
+    5 tiles of 64), the sequence's (varlen: 2 of 128) or the list's end (tiles, padded: 5 listed)."""
+    monkeypatch.setitem(kernels.TUNE, "quantize_rotate", (3, 8))
+    _check_quantization_pass(option, layout)
+
+
+def _check_quantization_pass(option, layout):
     opts = OPTIONS[option]
     rotation, smooth = opts.get("qk_rotation", "none"), opts.get("smooth_k", False)
     n = CU[-1]
