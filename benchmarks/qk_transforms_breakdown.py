@@ -4,13 +4,14 @@
 torch.profiler, and the fwd+bwd totals from triton.testing.do_bench (median, L2 flushed).
 
   python benchmarks/qk_transforms_breakdown.py [--shape B2-H16-KV16-N8192-D128] [--top 12]
-  python benchmarks/qk_transforms_breakdown.py --variants "{'quantize_rotate': (1, 8)};{}" --rounds 2
+  python benchmarks/qk_transforms_breakdown.py --variants "{'quantize_rotate': (1, 8, 1)};{}" --rounds 2
                                                              # launch configs (kernels.TUNE) compared in one call
   python benchmarks/qk_transforms_breakdown.py --dry-run     # CPU (Triton interpreter), tiny shape: the code path
 
 --variants: semicolon-separated kernels.TUNE dicts ("{}": launch.py's defaults); each times every config, its own
 fp8-matching base included, and --rounds alternates them (A, B, A, B) so that drift shows as round-to-round spread.
-The rotation's quantization pass: TUNE "quantize_rotate" = (tiles per program, warps), (1, 8) one tile per program.
+The rotation's quantization pass: TUNE "quantize_rotate" = (tiles per program, warps, stages); (1, 8, 1) launches it
+one tile per program.
 
 benchmarks/attention.py --qk-transforms is the cost figure of record; this script names the kernels behind it.
 """

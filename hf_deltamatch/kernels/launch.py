@@ -18,7 +18,7 @@ from ._fp8 import INTERPRET
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", and "hopper_packed" (the
 # Gluon kernels on packed batches). The q/k quantization pass with the fused rotation: "quantize_rotate" ((tiles per
-# program, warps)). Each is read where its default is defined below.
+# program, warps, stages)). Each is read where its default is defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
@@ -376,14 +376,19 @@ def _grid(kernel: str, tiles: int, heads: int, nseq: int, causal: bool):
 
 
 # The q/k quantization pass with the fused rotation (quantize._quantize_kernel, ROTATE): at most this many 128-row
-# tiles per program, and its warps. One tile per program reloads R (D x D, as many bytes as the bf16 tile) from L2 and
-# restages it in shared memory for every tile, and at 217 registers x 8 warps one program fills an SM, with nothing to
-# overlap its loads with: the rotated pass took 2.3x the plain one's time (+47 us per tensor at B2 H16 N8192 D128).
-# Several tiles per program load R once and each next tile while the current one goes through the tensor cores and
-# out. Fewer where the grid would leave fewer than QUANTIZE_ROTATE_PROGRAMS_PER_SM programs per SM.
+# tiles per program, its warps and its software pipeline's stages. One tile per program reloads R (D x D, as many bytes
+# as the bf16 tile) from L2 and restages it in shared memory for every tile, and at 217 registers x 8 warps one
+# program fills an SM, with nothing to overlap its loads with: on the H200 the forward grew by 94 us over the q and k
+# passes at B2 H16 N8192 D128 (a plain pass: about 37 us). Several tiles per program stage R once, and the
+# compiler's pipeline copies tiles into shared memory asynchronously (cp.async), the tensor cores reading them there:
+# with 3 stages it issues tile j + 2's copy when tile j is stored, so each copy has a whole tile's work to hide behind
+# (2 stages would issue tile j + 1's only then, and wait for it at once; 4 spill). Fewer tiles per program where the
+# grid would leave fewer than QUANTIZE_ROTATE_PROGRAMS_PER_SM programs per SM. Chosen from the sm_90 SASS, not yet
+# timed: `benchmarks/qk_transforms_breakdown.py --variants` compares tiles per program on the GPU in one call.
 QUANTIZE_ROTATE_TILES = 8
-QUANTIZE_ROTATE_PROGRAMS_PER_SM = 2
+QUANTIZE_ROTATE_PROGRAMS_PER_SM = 1
 QUANTIZE_ROTATE_WARPS = 8  # the fp32 product tile: 128 x 128 fp32 is 128 registers per thread with 4 warps
+QUANTIZE_ROTATE_STAGES = 3
 H200_SMS = 132  # the SMs assumed off a GPU (the interpreter): the launches the H200 would make
 
 
@@ -398,19 +403,19 @@ def _sm_count(device) -> int:
 
 
 def _quantize_rotate_cfg(tiles: int, device) -> tuple:
-    """(tiles per program, warps) of the rotation's quantization pass over `tiles` 128-row tiles in all:
-    QUANTIZE_ROTATE_TILES halved until the grid has QUANTIZE_ROTATE_PROGRAMS_PER_SM programs per SM (or
-    TUNE["quantize_rotate"]; (1, 8) is one tile per program)."""
+    """(tiles per program, warps, stages) of the rotation's quantization pass over `tiles` tiles in all:
+    QUANTIZE_ROTATE_TILES halved until the grid has QUANTIZE_ROTATE_PROGRAMS_PER_SM programs per SM, or
+    TUNE["quantize_rotate"] ((1, 8, 1) is one tile per program)."""
     if "quantize_rotate" in TUNE:
-        per, warps = TUNE["quantize_rotate"]
-        if int(per) < 1 or int(warps) not in (4, 8):
-            raise ValueError(f"TUNE['quantize_rotate'] takes (tiles per program >= 1, warps 4 or 8), got "
-                             f"{TUNE['quantize_rotate']}")
-        return int(per), int(warps)
+        per, warps, stages = TUNE["quantize_rotate"]
+        if int(per) < 1 or int(warps) not in (4, 8) or int(stages) < 1:
+            raise ValueError(f"TUNE['quantize_rotate'] takes (tiles per program >= 1, warps 4 or 8, stages >= 1), "
+                             f"got {TUNE['quantize_rotate']}")
+        return int(per), int(warps), int(stages)
     per, floor = QUANTIZE_ROTATE_TILES, QUANTIZE_ROTATE_PROGRAMS_PER_SM * _sm_count(device)
     while per > 1 and tiles < per * floor:
         per //= 2
-    return per, QUANTIZE_ROTATE_WARPS
+    return per, QUANTIZE_ROTATE_WARPS, QUANTIZE_ROTATE_STAGES
 
 
 # Above this head dim dK and dV come from two launches of the dK/dV kernel (dV alone: S^T and P^T dO; dK alone: S^T,

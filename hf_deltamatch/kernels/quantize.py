@@ -9,8 +9,8 @@ its sequence (varlen: from cu_seqlens[s]). One program per tile: load it, amax, 
 Optionally the tile is first transformed as hf_deltamatch.outliers defines q' and k' (docs/numerics.md, "Outlier
 channels"): its sequence's key mean subtracted (CENTER) and/or multiplied by a D x D rotation (ROTATE), each result
 rounded to the input dtype as the unfused transform rounds it, so the op pays no pass of its own over q and k.
-The rotation's launches give each program several consecutive tiles (launch.QUANTIZE_ROTATE_TILES): R loaded once,
-each next tile's loads in flight while the current one is multiplied, reduced and stored.
+The rotation's launches give each program several consecutive tiles (launch.QUANTIZE_ROTATE_TILES): R staged once,
+the next tiles' copies in flight while the current one is multiplied, reduced and stored.
 """
 
 import math
@@ -169,8 +169,7 @@ def _quantize_kernel(
 ):
     """Tiles pid_t * PER_PROGRAM .. + PER_PROGRAM - 1 of head pid_bh (and sequence pid_s: VARLEN) along the
     tokens; NT: the number of listed tiles (TILES). PER_PROGRAM > 1 (the rotation's launches:
-    launch._quantize_rotate_cfg) loads R once per program, and each next tile while the current one is transformed
-    and stored."""
+    launch._quantize_rotate_cfg) stages R once per program, and the compiler pipelines the tiles' loads."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -179,26 +178,14 @@ def _quantize_kernel(
     r = 0.0
     if ROTATE:  # R (D, D) contiguous
         r = load_rotation(R, tl.arange(0, BLOCK_D), D, 1, D, BLOCK_D)
-    t = pid_t * PER_PROGRAM
-    first, end = _tile_bounds(t, pid_s, CU, N, NT, BLOCK_T, VARLEN, TILES, PER_PROGRAM)
-    x = _load_tile(X, b, h, first, end, sxb, sxh, sxn, sxd, D, BLOCK_T, BLOCK_D, K_ORDER)
-    if PER_PROGRAM == 1:
+    for j in range(PER_PROGRAM):  # PER_PROGRAM > 1: the compiler's software pipeline (launch num_stages)
+        t = pid_t * PER_PROGRAM + j
+        first, end = _tile_bounds(t, pid_s, CU, N, NT, BLOCK_T, VARLEN, TILES, PER_PROGRAM)
+        x = _load_tile(X, b, h, first, end, sxb, sxh, sxn, sxd, D, BLOCK_T, BLOCK_D, K_ORDER)
         _quantize_tile(x, t, first, end, r, pid_bh, pid_s, b, h, Y, YT, S, PY, PYT, PS, MEAN, SEQ,
                        syb, syh, syn, syd, stb, sth, stn, std, N, NPAD, NMEAN, NT, D, BLOCK_T, BLOCK_D, FMAX,
                        E5M2, POW2, WRITE_Y, WRITE_YT, VARLEN, INTERP, K_ORDER, TILES, WRITE_S, WRITE_PY, WRITE_PYT,
                        CENTER, ROTATE, PER_PROGRAM)
-    else:
-        for j in range(PER_PROGRAM):
-            # the next tile's loads in flight while this one goes through the tensor cores and out (past the
-            # program's last tile or the batch's they are masked off)
-            next_first, next_end = _tile_bounds(t + 1, pid_s, CU, N, NT, BLOCK_T, VARLEN, TILES, PER_PROGRAM)
-            next_end = tl.where(j + 1 < PER_PROGRAM, next_end, next_first)  # not the next program's first tile
-            x_next = _load_tile(X, b, h, next_first, next_end, sxb, sxh, sxn, sxd, D, BLOCK_T, BLOCK_D, K_ORDER)
-            _quantize_tile(x, t, first, end, r, pid_bh, pid_s, b, h, Y, YT, S, PY, PYT, PS, MEAN, SEQ,
-                           syb, syh, syn, syd, stb, sth, stn, std, N, NPAD, NMEAN, NT, D, BLOCK_T, BLOCK_D, FMAX,
-                           E5M2, POW2, WRITE_Y, WRITE_YT, VARLEN, INTERP, K_ORDER, TILES, WRITE_S, WRITE_PY, WRITE_PYT,
-                           CENTER, ROTATE, PER_PROGRAM)
-            x, t, first, end = x_next, t + 1, next_first, next_end
 
 
 def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=None, row_major=True,
@@ -308,8 +295,13 @@ def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=No
     some = next(t for t in (y, yt, py, pyt) if t is not None)
     rows = scale if scale is not None else ps
     zeros = (0, 0, 0, 0)
-    # the rotation's launches: several tiles per program (launch.QUANTIZE_ROTATE_TILES); the listed tiles' count NT
-    per, warps = (1, 8 if D > 128 else 4) if rotation is None else _quantize_rotate_cfg(math.prod(grid), x.device)
+    # the rotation's launches: several tiles per program (launch._quantize_rotate_cfg); NT: grid[0]'s tiles. Not
+    # with a token-major copy (not the forward's q and k): its layout conversion spills at several tiles per program.
+    per, warps, stages = 1, 8 if D > 128 else 4, 3
+    if rotation is not None:
+        per, warps, stages = _quantize_rotate_cfg(math.prod(grid), x.device)
+        if yt is not None or pyt is not None:
+            per = 1
     _quantize_kernel[(triton.cdiv(grid[0], per), *grid[1:])](
         x, some if y is None else y, some if yt is None else yt, rows, cu,
         some if py is None else py, some if pyt is None else pyt, rows if ps is None else ps,
@@ -321,7 +313,7 @@ def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=No
         WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=varlen, INTERP=INTERPRET,
         K_ORDER=bool(k_order), TILES=tiles, WRITE_S=scale is not None, WRITE_PY=py is not None,
         WRITE_PYT=pyt is not None, CENTER=means is not None, ROTATE=rotation is not None, PER_PROGRAM=per,
-        num_warps=warps,
+        num_warps=warps, num_stages=stages,
     )
 
 
