@@ -485,7 +485,7 @@ def main():
                      WRITE_YT=False, VARLEN=False, INTERP=False, K_ORDER=False, TILES=False, WRITE_S=True,
                      WRITE_PY=False, WRITE_PYT=False)
         # the rotation's tiles per program, warps and stages as launched at n8192c (B2 H16 N8192: 2048 tiles), H200
-        per, rot_warps, rot_stages = KL._quantize_rotate_cfg(2 * 16 * 8192 // args.block, "cpu")
+        per, rot_warps, rot_stages = KL._quantize_rotate_cfg(2 * 16 * 8192 // args.block, args.d, "cpu")
         for name, center, rotate in (("quantize", False, False), ("quantize_rotate", False, True),
                                      ("quantize_center", True, False), ("quantize_both", True, True)):
             cx = dict(quant, CENTER=center, ROTATE=rotate, PER_PROGRAM=per if rotate else 1)

@@ -75,17 +75,19 @@ def test_rotation_pass_with_several_tiles_per_program(option, layout, monkeypatc
 
 def test_rotation_launch_config(monkeypatch):
     """Tiles per program: QUANTIZE_ROTATE_TILES where the grid keeps a program per SM (B2 H16 N8192: 2048 tiles of
-    128 over the H200's 132 SMs), fewer below, one on a small batch; TUNE overrides, and a bad override is refused."""
+    128 over the H200's 132 SMs), fewer below, one on a small batch and above D=128; TUNE overrides, and a bad
+    override is refused."""
     from hf_deltamatch.kernels import launch
 
-    assert launch._quantize_rotate_cfg(2048, "cpu") == (8, 8, 3)
-    assert launch._quantize_rotate_cfg(600, "cpu") == (4, 8, 3)
-    assert launch._quantize_rotate_cfg(256, "cpu")[0] == 1
+    assert launch._quantize_rotate_cfg(2048, 128, "cpu") == (8, 8, 3)
+    assert launch._quantize_rotate_cfg(600, 128, "cpu") == (4, 8, 3)
+    assert launch._quantize_rotate_cfg(256, 128, "cpu")[0] == 1
+    assert launch._quantize_rotate_cfg(2048, 256, "cpu") == (1, 8, 1)  # R and 3 tiles would not fit shared memory
     monkeypatch.setitem(kernels.TUNE, "quantize_rotate", (1, 8, 1))
-    assert launch._quantize_rotate_cfg(2048, "cpu") == (1, 8, 1)
+    assert launch._quantize_rotate_cfg(2048, 128, "cpu") == (1, 8, 1)
     monkeypatch.setitem(kernels.TUNE, "quantize_rotate", (0, 8, 3))
     with pytest.raises(ValueError, match="tiles per program"):
-        launch._quantize_rotate_cfg(2048, "cpu")
+        launch._quantize_rotate_cfg(2048, 128, "cpu")
 
 
 def _check_quantization_pass(option, layout, token_major=True):

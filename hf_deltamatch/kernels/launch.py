@@ -402,16 +402,19 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _quantize_rotate_cfg(tiles: int, device) -> tuple:
-    """(tiles per program, warps, stages) of the rotation's quantization pass over `tiles` tiles in all:
-    QUANTIZE_ROTATE_TILES halved until the grid has QUANTIZE_ROTATE_PROGRAMS_PER_SM programs per SM, or
-    TUNE["quantize_rotate"] ((1, 8, 1) is one tile per program)."""
+def _quantize_rotate_cfg(tiles: int, d: int, device) -> tuple:
+    """(tiles per program, warps, stages) of the rotation's quantization pass over `tiles` tiles in all at head dim
+    d: QUANTIZE_ROTATE_TILES halved until the grid has QUANTIZE_ROTATE_PROGRAMS_PER_SM programs per SM, or
+    TUNE["quantize_rotate"] ((1, 8, 1) is one tile per program). Above D=128 one tile per program: R and the
+    pipeline's tiles would need 352 KB of shared memory at D=256 (the SM has 227 KB)."""
     if "quantize_rotate" in TUNE:
         per, warps, stages = TUNE["quantize_rotate"]
         if int(per) < 1 or int(warps) not in (4, 8) or int(stages) < 1:
             raise ValueError(f"TUNE['quantize_rotate'] takes (tiles per program >= 1, warps 4 or 8, stages >= 1), "
                              f"got {TUNE['quantize_rotate']}")
         return int(per), int(warps), int(stages)
+    if d > 128:
+        return 1, QUANTIZE_ROTATE_WARPS, 1
     per, floor = QUANTIZE_ROTATE_TILES, QUANTIZE_ROTATE_PROGRAMS_PER_SM * _sm_count(device)
     while per > 1 and tiles < per * floor:
         per //= 2

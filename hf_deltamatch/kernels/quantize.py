@@ -299,7 +299,7 @@ def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=No
     # with a token-major copy (not the forward's q and k): its layout conversion spills at several tiles per program.
     per, warps, stages = 1, 8 if D > 128 else 4, 3
     if rotation is not None:
-        per, warps, stages = _quantize_rotate_cfg(math.prod(grid), x.device)
+        per, warps, stages = _quantize_rotate_cfg(math.prod(grid), D, x.device)
         if yt is not None or pyt is not None:
             per = 1
     _quantize_kernel[(triton.cdiv(grid[0], per), *grid[1:])](
