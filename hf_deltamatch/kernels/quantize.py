@@ -139,7 +139,7 @@ def _quantize_tile(
         # rows past the sequence get zeros (x is 0 there) and scale 1, so every padded row is written
         prow = t.to(tl.int64) * BLOCK_T
         cmask = cols[None, :] < D
-        listed = i >= 0
+        listed = None
         if PER_PROGRAM > 1:  # a program's tiles past the list's end: nothing to write
             listed = (i * 0 + t) < NT
             cmask = listed[:, None] & cmask
@@ -147,10 +147,7 @@ def _quantize_tile(
             tl.store(PY + (pid_bh.to(tl.int64) * NPAD + prow + rel[:, None]) * D + cols[None, :], y, mask=cmask)
         if WRITE_PYT:  # (B, H, D, NPAD) contiguous: tokens contiguous
             tl.store(PYT + (pid_bh.to(tl.int64) * D + cols[None, :]) * NPAD + prow + i[:, None], y, mask=cmask)
-        if PER_PROGRAM > 1:
-            tl.store(PS + pid_bh.to(tl.int64) * NPAD + prow + i, tl.where(rows < end, scale, 1.0), mask=listed)
-        else:
-            tl.store(PS + pid_bh.to(tl.int64) * NPAD + prow + i, tl.where(rows < end, scale, 1.0))
+        tl.store(PS + pid_bh.to(tl.int64) * NPAD + prow + i, tl.where(rows < end, scale, 1.0), mask=listed)
 
 
 @triton.jit
