@@ -485,10 +485,13 @@ def main():
         quant = dict(D=args.d, BLOCK_T=args.block, BLOCK_D=bd, FMAX=448.0, E5M2=False, POW2=False, WRITE_Y=True,
                      WRITE_YT=False, VARLEN=False, INTERP=False, K_ORDER=False, TILES=False, WRITE_S=True,
                      WRITE_PY=False, WRITE_PYT=False)
+        # the rotation's tiles per program, warps and stages as launched at n8192c (B2 H16 N8192: 2048 tiles), H200
+        per, rot_warps, rot_stages = KL._quantize_rotate_cfg(2 * 16 * 8192 // args.block, args.d, "cpu")
         for name, center, rotate in (("quantize", False, False), ("quantize_rotate", False, True),
                                      ("quantize_center", True, False), ("quantize_both", True, True)):
-            jobs[name] = (_quantize_kernel, dict(quant, CENTER=center, ROTATE=rotate),
-                          8 if args.d > 128 or rotate else 4, 1)
+            cx = dict(quant, CENTER=center, ROTATE=rotate, PER_PROGRAM=per if rotate else 1)
+            jobs[name] = (_quantize_kernel, cx, rot_warps if rotate else 8 if args.d > 128 else 4,
+                          rot_stages if rotate else 1)
         jobs["center_rotate"] = (_center_rotate_kernel, dict(D=args.d, BLOCK_T=64, BLOCK_D=bd, VARLEN=False,
                                                              ROTATE=True, INTERP=False), 4, 1)
         if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers

@@ -28,6 +28,7 @@ from hf_deltamatch.kernels.transform import center_rotate_, transform_grads  # n
 OPTIONS = {"hadamard": dict(qk_rotation="hadamard"), "smooth_k": dict(smooth_k=True),
            "both": dict(qk_rotation="hadamard", smooth_k=True)}
 CU = [0, 70, 71, 200, 271]  # a one-token sequence; the last ends past a 128-token tile
+LAYOUTS = ["dense", "varlen", "tiles", "padded"]
 
 
 def _bits(t):
@@ -53,11 +54,44 @@ def _assert_fp8_close(got, want, max_share):
 
 
 @pytest.mark.parametrize("option", list(OPTIONS))
-@pytest.mark.parametrize("layout", ["dense", "varlen", "tiles", "padded"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_quantization_pass_is_bit_identical_to_the_unfused_transform(option, layout):
     """q8, k8 and scales from the fused pass vs quantize(outliers.transform_qk's q', k'), for each layout the
     forward quantizes in: a dense batch (block 64), a varlen one (one program per sequence x tile), a packed one by
     its tile list (segments.py) and straight into the Gluon kernels' padded layout."""
+    _check_quantization_pass(option, layout)
+
+
+@pytest.mark.parametrize("option", ["hadamard", "both"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rotation_pass_with_several_tiles_per_program(option, layout, monkeypatch):
+    """The rotation's launch with 3 tiles per program (launch.QUANTIZE_ROTATE_TILES; the H200's launches at small
+    shapes take 1): R loaded once, the tiles in a loop; the last program's tiles run past the head's (dense: 5 tiles
+    of 64), the sequence's (varlen: 2 of 128) or the list's end (tiles, padded: 5 listed). The padded layout without
+    its token-major copy, which keeps one tile per program (quantize._launch)."""
+    monkeypatch.setitem(kernels.TUNE, "quantize_rotate", (3, 8, 3))
+    _check_quantization_pass(option, layout, token_major=False)
+
+
+def test_rotation_launch_config(monkeypatch):
+    """Tiles per program: QUANTIZE_ROTATE_TILES where the grid keeps a program per SM (B2 H16 N8192: 2048 tiles of
+    128 over the H200's 132 SMs), fewer below, one on a small batch and above D=128; TUNE overrides, and a bad
+    override is refused."""
+    from hf_deltamatch.kernels import launch
+
+    assert launch._quantize_rotate_cfg(2048, 128, "cpu") == (8, 8, 3)
+    assert launch._quantize_rotate_cfg(600, 128, "cpu") == (4, 8, 3)
+    assert launch._quantize_rotate_cfg(256, 128, "cpu")[0] == 1
+    assert launch._quantize_rotate_cfg(2048, 256, "cpu") == (1, 8, 1)  # R and 3 tiles would not fit shared memory
+    monkeypatch.setitem(kernels.TUNE, "quantize_rotate", (1, 8, 1))
+    assert launch._quantize_rotate_cfg(2048, 128, "cpu") == (1, 8, 1)
+    monkeypatch.setitem(kernels.TUNE, "quantize_rotate", (0, 8, 3))
+    with pytest.raises(ValueError, match="tiles per program"):
+        launch._quantize_rotate_cfg(2048, 128, "cpu")
+
+
+def _check_quantization_pass(option, layout, token_major=True):
+    """token_major: the padded layout's token-major copy too (its launches take one tile per program)."""
     opts = OPTIONS[option]
     rotation, smooth = opts.get("qk_rotation", "none"), opts.get("smooth_k", False)
     n = CU[-1]
@@ -71,8 +105,8 @@ def test_quantization_pass_is_bit_identical_to_the_unfused_transform(option, lay
     for x, x_ref, kw in ((q, q_ref, dict(rotation=r_q)), (k, k_ref, dict(rotation=r_k, means=means))):
         if layout == "padded":
             seg = ops._quantize_segments(*_packing(q, cu), 128)
-            got = quantize_padded(x, seg, token_major=True, **kw)
-            want = quantize_padded(x_ref, seg, token_major=True)
+            got = quantize_padded(x, seg, token_major=token_major, **kw)
+            want = quantize_padded(x_ref, seg, token_major=token_major)
             got, want = (*got[0], *got[1]), (*want[0], *want[1])
         else:
             seg = ops._quantize_segments(*_packing(q, cu), 128) if layout == "tiles" else None
@@ -267,6 +301,39 @@ def test_kernels_reject_a_transform_they_cannot_apply():
         quantize(k, 64, means=outliers.key_means(k)[:, :1])
     with pytest.raises(ValueError, match="means must be"):
         center_rotate_(k.clone(), outliers.key_means(k).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_rotation_tiles_per_program_on_the_gpu(packed, monkeypatch):
+    """The rotating quantization pass at the benchmark's shape (B=2 or packed, H=16, N=8192, D=128; 2048 tiles of
+    128) launched with several tiles per program (the default, 8, and a ragged 3 with 2 and 4 pipeline stages) gives
+    the bytes and scales of one tile per program: each tile's MMA, reduction and cast are the same instructions, only
+    the loads are scheduled differently. Both transforms (CENTER and ROTATE) on the keys."""
+    cu = torch.tensor([0, 3000, 3001, 6500, 8192], dtype=torch.int32, device="cuda") if packed else None
+    q, k, _, _ = diagnostics.make_inputs("qk-outliers", batch=1 if packed else 2, heads=16, n=8192, d=128,
+                                         device="cuda")
+    r_q, r_k, means, _ = outliers.fused_args(q, k, "hadamard", True, cu)
+    facts = ops._seq_facts(q, k, cu, cu)
+    seg = ops._quantize_segments(facts[3], facts[6], 128) if packed else None
+
+    def run():
+        got = []
+        for x, kw in ((q, dict(rotation=r_q)), (k, dict(rotation=r_k, means=means))):
+            got += quantize(x, 128, cu_seqlens=facts[3], max_len=facts[1], segments=seg, **kw)
+            if packed:
+                got += [t for pair in quantize_padded(x, seg, **kw) for t in pair]
+        return [t for t in got if t is not None]
+
+    monkeypatch.setitem(kernels.TUNE, "quantize_rotate", (1, 8, 1))
+    want = run()
+    for cfg in (None, (3, 8, 2), (8, 8, 4)):
+        if cfg is None:
+            monkeypatch.delitem(kernels.TUNE, "quantize_rotate")
+        else:
+            monkeypatch.setitem(kernels.TUNE, "quantize_rotate", cfg)
+        for a, b in zip(run(), want, strict=True):
+            assert torch.equal(_bits(a), _bits(b)), cfg
 
 
 @pytest.mark.gpu

@@ -18,13 +18,14 @@ from ._fp8 import INTERPRET
 # "dkdv" (warps, stages), f"{k}_maxnreg" (ptxas register cap), "fwd_tma" / "dq_tma", "dkdv_lse2", "dkdv_p256".
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
-# on packed batches) and "hopper_ragged" (on dense batches of N not a multiple of 128). Each is read where its
-# default is defined below.
+# on packed batches) and "hopper_ragged" (on dense batches of N not a multiple of 128). The q/k quantization pass with
+# the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where its default is
+# defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
               "fwd_hopper", "fwd_hopper_stages", "dkdv_hopper_wgs", "dkdv_hopper_pipe", "hopper_packed",
-              "hopper_ragged"}
+              "hopper_ragged", "quantize_rotate"}
              | {f"{k}_maxnreg" for k in ("fwd", "dq", "dkdv")})
 
 
@@ -443,6 +444,52 @@ def _grid(kernel: str, tiles: int, heads: int, nseq: int, causal: bool):
     the head group from HEAD_GROUP_CAUSAL (causal) or 1."""
     group = HEAD_GROUP_CAUSAL[kernel] if causal else 1
     return (tiles * heads, 1, nseq), tiles, min(group, max(heads, 1))
+
+
+# The q/k quantization pass with the fused rotation (quantize._quantize_kernel, ROTATE): at most this many 128-row
+# tiles per program, its warps and its software pipeline's stages. One tile per program reloads R (D x D, as many bytes
+# as the bf16 tile) from L2 and restages it in shared memory for every tile, and at 217 registers x 8 warps one
+# program fills an SM, with nothing to overlap its loads with: on the H200 the forward grew by 94 us over the q and k
+# passes at B2 H16 N8192 D128 (a plain pass: about 37 us). Several tiles per program stage R once, and the
+# compiler's pipeline copies tiles into shared memory asynchronously (cp.async), the tensor cores reading them there:
+# with 3 stages it issues tile j + 2's copy when tile j is stored, so each copy has a whole tile's work to hide behind
+# (2 stages would issue tile j + 1's only then, and wait for it at once; 4 spill). Fewer tiles per program where the
+# grid would leave fewer than QUANTIZE_ROTATE_PROGRAMS_PER_SM programs per SM. Chosen from the sm_90 SASS, not yet
+# timed: `benchmarks/qk_transforms_breakdown.py --variants` compares tiles per program on the GPU in one call.
+QUANTIZE_ROTATE_TILES = 8
+QUANTIZE_ROTATE_PROGRAMS_PER_SM = 1
+QUANTIZE_ROTATE_WARPS = 8  # the fp32 product tile: 128 x 128 fp32 is 128 registers per thread with 4 warps
+QUANTIZE_ROTATE_STAGES = 3
+H200_SMS = 132  # the SMs assumed off a GPU (the interpreter): the launches the H200 would make
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return H200_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _quantize_rotate_cfg(tiles: int, d: int, device) -> tuple:
+    """(tiles per program, warps, stages) of the rotation's quantization pass over `tiles` tiles in all at head dim
+    d: QUANTIZE_ROTATE_TILES halved until the grid has QUANTIZE_ROTATE_PROGRAMS_PER_SM programs per SM, or
+    TUNE["quantize_rotate"] ((1, 8, 1) is one tile per program). Above D=128 one tile per program: R and the
+    pipeline's tiles would need 352 KB of shared memory at D=256 (the SM has 227 KB)."""
+    if "quantize_rotate" in TUNE:
+        per, warps, stages = TUNE["quantize_rotate"]
+        if int(per) < 1 or int(warps) not in (4, 8) or int(stages) < 1:
+            raise ValueError(f"TUNE['quantize_rotate'] takes (tiles per program >= 1, warps 4 or 8, stages >= 1), "
+                             f"got {TUNE['quantize_rotate']}")
+        return int(per), int(warps), int(stages)
+    if d > 128:
+        return 1, QUANTIZE_ROTATE_WARPS, 1
+    per, floor = QUANTIZE_ROTATE_TILES, QUANTIZE_ROTATE_PROGRAMS_PER_SM * _sm_count(device)
+    while per > 1 and tiles < per * floor:
+        per //= 2
+    return per, QUANTIZE_ROTATE_WARPS, QUANTIZE_ROTATE_STAGES
 
 
 # Above this head dim dK and dV come from two launches of the dK/dV kernel (dV alone: S^T and P^T dO; dK alone: S^T,

@@ -9,14 +9,19 @@ its sequence (varlen: from cu_seqlens[s]). One program per tile: load it, amax, 
 Optionally the tile is first transformed as hf_deltamatch.outliers defines q' and k' (docs/numerics.md, "Outlier
 channels"): its sequence's key mean subtracted (CENTER) and/or multiplied by a D x D rotation (ROTATE), each result
 rounded to the input dtype as the unfused transform rounds it, so the op pays no pass of its own over q and k.
+The rotation's launches give each program several consecutive tiles (launch.QUANTIZE_ROTATE_TILES): R staged once,
+the next tiles' copies in flight while the current one is multiplied, reduced and stored.
 """
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from ._fp8 import FP8_MAX, INTERPRET, tile_scale, to_fp8
-from .transform import transform_rows
+from .launch import _quantize_rotate_cfg
+from .transform import load_rotation, transform_rows
 
 FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TAIL_ROWS = 128  # the most rows a kernel's TMA tile reads (a key tile; 64 or 128 queries)
@@ -37,33 +42,29 @@ def _k_order_source(k):
 
 
 @triton.jit
-def _quantize_kernel(
-    X, Y, YT, S, CU, PY, PYT, PS, R, MEAN, SEQ,
-    sxb, sxh, sxn, sxd,
-    syb, syh, syn, syd,
-    stb, sth, stn, std,
-    H, N, NPAD, NMEAN,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
-    WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr, VARLEN: tl.constexpr, INTERP: tl.constexpr,
-    K_ORDER: tl.constexpr = False, TILES: tl.constexpr = False, WRITE_S: tl.constexpr = True,
-    WRITE_PY: tl.constexpr = False, WRITE_PYT: tl.constexpr = False,
-    CENTER: tl.constexpr = False, ROTATE: tl.constexpr = False,
-):
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b = pid_bh // H
-    h = pid_bh % H
+def _tile_bounds(t, pid_s, CU, N, NT, BLOCK_T: tl.constexpr, VARLEN: tl.constexpr, TILES: tl.constexpr,
+                 PER_PROGRAM: tl.constexpr):
+    """(first, end): tile t's first row and the end of its sequence (past the last tile: rows it masks out)."""
     if TILES:  # a packed batch's tiles listed (CU: first rows, then ends): no program past a sequence's end
-        first = tl.load(CU + pid_t)
-        end = tl.load(CU + tl.num_programs(0) + pid_t)
+        if PER_PROGRAM == 1:
+            first = tl.load(CU + t)
+            end = tl.load(CU + tl.num_programs(0) + t)
+        else:  # the NT listed tiles; t >= NT: an empty tile
+            first = tl.load(CU + t, mask=t < NT, other=0)
+            end = tl.load(CU + NT + t, mask=t < NT, other=0)
     elif VARLEN:
-        first = tl.load(CU + pid_s) + pid_t * BLOCK_T
+        first = tl.load(CU + pid_s) + t * BLOCK_T
         end = tl.load(CU + pid_s + 1)
     else:
-        first = pid_t * BLOCK_T
+        first = t * BLOCK_T
         end = N
+    return first, end
+
+
+@triton.jit
+def _tile_rows(first, end, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, K_ORDER: tl.constexpr):
+    """(i, rows, cols, rel, src, mask) of the tile from `first`: its row indices, token rows, columns, the rows in
+    load order, their tokens, and the in-sequence mask."""
     i = tl.arange(0, BLOCK_T)
     rows = first.to(tl.int64) + i  # packed varlen batches: token * stride can pass 2^31
     cols = tl.arange(0, BLOCK_D)
@@ -72,20 +73,46 @@ def _quantize_kernel(
         rel = _k_order_source(i)  # copies are stored in order, the row-major ones at the rows they came from
     src = first.to(tl.int64) + rel
     mask = (src[:, None] < end) & (cols[None, :] < D)
-    x = tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
-                mask=mask, other=0.0).to(tl.float32)
+    return i, rows, cols, rel, src, mask
+
+
+@triton.jit
+def _load_tile(X, b, h, first, end, sxb, sxh, sxn, sxd, D: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_D: tl.constexpr, K_ORDER: tl.constexpr):
+    """The tile from `first` in X's dtype, zeros outside its sequence."""
+    _, _, cols, _, src, mask = _tile_rows(first, end, D, BLOCK_T, BLOCK_D, K_ORDER)
+    return tl.load(X + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + src[:, None] * sxn + cols[None, :] * sxd,
+                   mask=mask, other=0.0)
+
+
+@triton.jit
+def _quantize_tile(
+    x, t, first, end, r, pid_bh, pid_s, b, h, Y, YT, S, PY, PYT, PS, MEAN, SEQ,
+    syb, syh, syn, syd, stb, sth, stn, std, N, NPAD, NMEAN, NT,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
+    WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr, VARLEN: tl.constexpr, INTERP: tl.constexpr,
+    K_ORDER: tl.constexpr, TILES: tl.constexpr, WRITE_S: tl.constexpr, WRITE_PY: tl.constexpr,
+    WRITE_PYT: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, PER_PROGRAM: tl.constexpr,
+):
+    """Transform, scale, cast and store tile t (x: its rows as _load_tile gave them; r: the rotation, ROTATE)."""
+    i, rows, cols, rel, src, mask = _tile_rows(first, end, D, BLOCK_T, BLOCK_D, K_ORDER)
+    dtype = x.dtype
+    x = x.to(tl.float32)
     if CENTER or ROTATE:  # MEAN (B, H, NMEAN, D) contiguous: row 0 (dense), the sequence (varlen), SEQ's (tiles)
         mean = tl.zeros([BLOCK_D], tl.float32)
         if CENTER:
             seq = 0
             if TILES:
-                seq = tl.load(SEQ + pid_t)
+                if PER_PROGRAM == 1:
+                    seq = tl.load(SEQ + t)
+                else:
+                    seq = tl.load(SEQ + t, mask=t < NT, other=0)
             elif VARLEN:
                 seq = pid_s
             mean = tl.load(MEAN + (pid_bh.to(tl.int64) * NMEAN + seq) * D + cols, mask=cols < D,
                            other=0.0).to(tl.float32)
-        x = transform_rows(x, mask, cols, mean[None, :], R, D, 1, D, BLOCK_D, X.dtype.element_ty, CENTER, ROTATE,
-                           INTERP)
+        x = transform_rows(x, mask, mean[None, :], r, dtype, CENTER, ROTATE, INTERP)
     # docs/numerics.md "Non-finite inputs": the scale comes from the finite values (one inf would zero its tile-mates),
     # and a non-finite value is stored as NaN (FP8 e4m3 has no inf; the GPU's satfinite cast would make inf 448).
     # The GPU's max skips NaN (max.f32); an inf is rare, so its tile alone takes a second reduction, and x * 0 (NaN
@@ -110,13 +137,52 @@ def _quantize_kernel(
         tl.store(S + pid_bh.to(tl.int64) * N + rows, tl.zeros([BLOCK_T], tl.float32) + scale, mask=rows < end)
     if WRITE_PY or WRITE_PYT:  # segments.py's padded layout (TILES): tile t is padded rows t * BLOCK_T ..; its
         # rows past the sequence get zeros (x is 0 there) and scale 1, so every padded row is written
-        prow = pid_t.to(tl.int64) * BLOCK_T
+        prow = t.to(tl.int64) * BLOCK_T
         cmask = cols[None, :] < D
+        listed = None
+        if PER_PROGRAM > 1:  # a program's tiles past the list's end: nothing to write
+            listed = (i * 0 + t) < NT
+            cmask = listed[:, None] & cmask
         if WRITE_PY:  # (B, H, NPAD, D) contiguous
             tl.store(PY + (pid_bh.to(tl.int64) * NPAD + prow + rel[:, None]) * D + cols[None, :], y, mask=cmask)
         if WRITE_PYT:  # (B, H, D, NPAD) contiguous: tokens contiguous
             tl.store(PYT + (pid_bh.to(tl.int64) * D + cols[None, :]) * NPAD + prow + i[:, None], y, mask=cmask)
-        tl.store(PS + pid_bh.to(tl.int64) * NPAD + prow + i, tl.where(rows < end, scale, 1.0))
+        tl.store(PS + pid_bh.to(tl.int64) * NPAD + prow + i, tl.where(rows < end, scale, 1.0), mask=listed)
+
+
+@triton.jit
+def _quantize_kernel(
+    X, Y, YT, S, CU, PY, PYT, PS, R, MEAN, SEQ,
+    sxb, sxh, sxn, sxd,
+    syb, syh, syn, syd,
+    stb, sth, stn, std,
+    H, N, NPAD, NMEAN, NT,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FMAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
+    WRITE_Y: tl.constexpr, WRITE_YT: tl.constexpr, VARLEN: tl.constexpr, INTERP: tl.constexpr,
+    K_ORDER: tl.constexpr = False, TILES: tl.constexpr = False, WRITE_S: tl.constexpr = True,
+    WRITE_PY: tl.constexpr = False, WRITE_PYT: tl.constexpr = False,
+    CENTER: tl.constexpr = False, ROTATE: tl.constexpr = False, PER_PROGRAM: tl.constexpr = 1,
+):
+    """Tiles pid_t * PER_PROGRAM .. + PER_PROGRAM - 1 of head pid_bh (and sequence pid_s: VARLEN) along the
+    tokens; NT: the number of listed tiles (TILES). PER_PROGRAM > 1 (the rotation's launches:
+    launch._quantize_rotate_cfg) stages R once per program, and the compiler pipelines the tiles' loads."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    r = 0.0
+    if ROTATE:  # R (D, D) contiguous
+        r = load_rotation(R, tl.arange(0, BLOCK_D), D, 1, D, BLOCK_D)
+    for j in range(PER_PROGRAM):  # PER_PROGRAM > 1: the compiler's software pipeline (launch num_stages)
+        t = pid_t * PER_PROGRAM + j
+        first, end = _tile_bounds(t, pid_s, CU, N, NT, BLOCK_T, VARLEN, TILES, PER_PROGRAM)
+        x = _load_tile(X, b, h, first, end, sxb, sxh, sxn, sxd, D, BLOCK_T, BLOCK_D, K_ORDER)
+        _quantize_tile(x, t, first, end, r, pid_bh, pid_s, b, h, Y, YT, S, PY, PYT, PS, MEAN, SEQ,
+                       syb, syh, syn, syd, stb, sth, stn, std, N, NPAD, NMEAN, NT, D, BLOCK_T, BLOCK_D, FMAX,
+                       E5M2, POW2, WRITE_Y, WRITE_YT, VARLEN, INTERP, K_ORDER, TILES, WRITE_S, WRITE_PY, WRITE_PYT,
+                       CENTER, ROTATE, PER_PROGRAM)
 
 
 def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=None, row_major=True,
@@ -226,19 +292,25 @@ def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=No
     some = next(t for t in (y, yt, py, pyt) if t is not None)
     rows = scale if scale is not None else ps
     zeros = (0, 0, 0, 0)
-    _quantize_kernel[grid](
+    # the rotation's launches: several tiles per program (launch._quantize_rotate_cfg); NT: grid[0]'s tiles. Not
+    # with a token-major copy (not the forward's q and k): its layout conversion spills at several tiles per program.
+    per, warps, stages = 1, 8 if D > 128 else 4, 3
+    if rotation is not None:
+        per, warps, stages = _quantize_rotate_cfg(math.prod(grid), D, x.device)
+        if yt is not None or pyt is not None:
+            per = 1
+    _quantize_kernel[(triton.cdiv(grid[0], per), *grid[1:])](
         x, some if y is None else y, some if yt is None else yt, rows, cu,
         some if py is None else py, some if pyt is None else pyt, rows if ps is None else ps,
         x if rotation is None else rotation, x if means is None else means, rows if seq is None else seq,
         *x.stride(), *(y.stride() if y is not None else zeros), *(yt.stride() if yt is not None else zeros),
-        H, N, ps.shape[2] if ps is not None else 0, means.shape[2] if means is not None else 1,
+        H, N, ps.shape[2] if ps is not None else 0, means.shape[2] if means is not None else 1, grid[0],
         D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D),
         FMAX=FP8_MAX[fmt], E5M2=fmt == "e5m2", POW2=rounding == "pow2",
         WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=varlen, INTERP=INTERPRET,
         K_ORDER=bool(k_order), TILES=tiles, WRITE_S=scale is not None, WRITE_PY=py is not None,
-        WRITE_PYT=pyt is not None, CENTER=means is not None, ROTATE=rotation is not None,
-        # the rotation's fp32 product tile: 128 x 128 fp32 is 128 registers per thread with 4 warps
-        num_warps=8 if D > 128 or rotation is not None else 4,
+        WRITE_PYT=pyt is not None, CENTER=means is not None, ROTATE=rotation is not None, PER_PROGRAM=per,
+        num_warps=warps, num_stages=stages,
     )
 
 

@@ -18,16 +18,21 @@ from .. import outliers
 
 
 @triton.jit
-def transform_rows(x, mask, cols, mean, R, srr, src_, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                   DTYPE: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr, INTERP: tl.constexpr):
+def load_rotation(R, cols, srr, src_, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """R (D x D, strides srr, src_) as a (BLOCK_D, BLOCK_D) tile, zeros outside it: transform_rows' `r`."""
+    dmask = (cols[:, None] < D) & (cols[None, :] < D)
+    return tl.load(R + cols[:, None] * srr + cols[None, :] * src_, mask=dmask, other=0.0)
+
+
+@triton.jit
+def transform_rows(x, mask, mean, r, DTYPE: tl.constexpr, CENTER: tl.constexpr, ROTATE: tl.constexpr,
+                   INTERP: tl.constexpr):
     """outliers.py's transform of the rows x (BLOCK_T, BLOCK_D) fp32 holding DTYPE values: minus `mean` (fp32
-    holding DTYPE values, broadcast to x) rounded to DTYPE (CENTER; entries outside `mask` become 0), then times R
-    (D x D, strides srr, src_) accumulated in fp32 and rounded to DTYPE (ROTATE). Returned in fp32."""
+    holding DTYPE values, broadcast to x) rounded to DTYPE (CENTER; entries outside `mask` become 0), then times r
+    (load_rotation's tile, DTYPE) accumulated in fp32 and rounded to DTYPE (ROTATE). Returned in fp32."""
     if CENTER:
         x = tl.where(mask, cast_to(x - mean, DTYPE, INTERP).to(tl.float32), 0.0)
     if ROTATE:
-        dmask = (cols[:, None] < D) & (cols[None, :] < D)
-        r = tl.load(R + cols[:, None] * srr + cols[None, :] * src_, mask=dmask, other=0.0)
         if INTERP:  # the interpreter's bf16 dot multiplies raw bits; fp32 holds the products exactly
             y = tl.dot(x, r.to(tl.float32))
         else:  # R's entries are powers of two: exact products, fp32 accumulation
@@ -57,8 +62,10 @@ def _center_rotate_kernel(X, MEAN, SEQ, R, sxb, sxh, sxn, sxd, H, N, NMEAN,
     mean = tl.load(MEAN + (pid_bh.to(tl.int64) * NMEAN + seq[:, None]) * D + cols[None, :],
                    mask=mask & (seq[:, None] >= 0), other=0.0).to(tl.float32)
     # R^T: element (i, j) is R[j, i]
-    y = transform_rows(x.to(tl.float32), mask, cols, mean, R, 1, D, D, BLOCK_D, X.dtype.element_ty, True, ROTATE,
-                       INTERP)
+    r = 0.0
+    if ROTATE:
+        r = load_rotation(R, cols, 1, D, D, BLOCK_D)
+    y = transform_rows(x.to(tl.float32), mask, mean, r, X.dtype.element_ty, True, ROTATE, INTERP)
     tl.store(ptrs, y.to(X.dtype.element_ty), mask=mask)
 
 
