@@ -182,19 +182,24 @@ def test_quantization_pass_with_the_outlier_transforms_compiles_for_sm90():
 def test_hash_records_the_default_launches():
     """--hash's launch recorder (record_launches) catches what ops.forward / ops.backward launch, without a GPU:
     the Gluon kernels for their case (D=128, N = 8192, fp8, on the H200's sm_90 with Triton 3.6), the Triton dQ
-    kernel for the stale delta there, the Gluon kernels' packed variant (VARLEN) at N = 8000, causal and full, the
-    Triton backward there for the stale delta (the padded layout: both Gluon kernels or neither), the Triton kernels
+    kernel for the stale delta there, at N = 8000 the Triton kernels by default and with TUNE["hopper_ragged"] the
+    Gluon kernels' packed variant (VARLEN), causal and full, with the Triton backward there for the stale delta (the
+    padded layout: both Gluon kernels or neither), the Triton kernels
     in bf16, and dK/dV in two launches at D=256; with the constexprs the kernels get."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
+            "from hf_deltamatch.kernels import launch\n"
             "cases = S.default_cases()\n"
-            "for name in ('d128-causal-h4:4-n8192-fp8-matching', 'd128-causal-h4:4-n8192-fp8-stale',\n"
-            "             'd128-full-h16:4-n8000-fp8-matching', 'd64-causal-h4:4-n8000-bf16-matching',\n"
-            "             'd256-causal-fp8', 'd128-causal-h16:4-n8000-fp8-matching',\n"
-            "             'd64-causal-h4:4-n8000-fp8-stale'):\n"
-            "    print(name, [(S.KERNELS[fn.__name__], cx.get('PART'), cx.get('FP8'), cx.get('VARLEN'))\n"
-            "                 for fn, cx, *_ in S.record_launches(cases[name])])\n")
+            "for ragged in (False, True):\n"
+            "    launch.TUNE.update(hopper_ragged=True) if ragged else launch.TUNE.clear()\n"
+            "    for name in ('d128-causal-h4:4-n8192-fp8-matching', 'd128-causal-h4:4-n8192-fp8-stale',\n"
+            "                 'd128-full-h16:4-n8000-fp8-matching', 'd64-causal-h4:4-n8000-bf16-matching',\n"
+            "                 'd256-causal-fp8', 'd128-causal-h16:4-n8000-fp8-matching',\n"
+            "                 'd64-causal-h4:4-n8000-fp8-stale'):\n"
+            "        print(('ragged:' if ragged else '') + name,\n"
+            "              [(S.KERNELS[fn.__name__], cx.get('PART'), cx.get('FP8'), cx.get('VARLEN'))\n"
+            "               for fn, cx, *_ in S.record_launches(cases[name])])\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     got = dict(ln.split(" ", 1) for ln in res.stdout.splitlines())
@@ -204,9 +209,15 @@ def test_hash_records_the_default_launches():
     triton_fp8 = [("fwd", None, True, False), ("dq", None, True, False), ("dkdv", 0, True, False)]
     assert got["d128-causal-h4:4-n8192-fp8-matching"] == str(gluon_dense)
     assert got["d128-causal-h4:4-n8192-fp8-stale"] == str([gluon_dense[0], triton_fp8[1], gluon_dense[2]])
-    assert got["d128-full-h16:4-n8000-fp8-matching"] == str(gluon_padded)
     assert got["d64-causal-h4:4-n8000-bf16-matching"] == str([("fwd", None, False, False), ("dq", None, False, False),
                                                              ("dkdv", 0, False, False)])
     assert got["d256-causal-fp8"] == str([*triton_fp8[:2], ("dkdv", 1, True, False), ("dkdv", 2, True, False)])
-    assert got["d128-causal-h16:4-n8000-fp8-matching"] == str(gluon_padded)
-    assert got["d64-causal-h4:4-n8000-fp8-stale"] == str([gluon_padded[0], *triton_fp8[1:]])
+    # N = 8000: the Triton kernels by default (launch.HOPPER_RAGGED off until GPU-tested), the Gluon kernels' packed
+    # variant with TUNE["hopper_ragged"]; everything else the same either way
+    for name in ("d128-full-h16:4-n8000-fp8-matching", "d128-causal-h16:4-n8000-fp8-matching"):
+        assert got[name] == str(triton_fp8) and got["ragged:" + name] == str(gluon_padded)
+    assert got["d64-causal-h4:4-n8000-fp8-stale"] == str(triton_fp8)
+    assert got["ragged:d64-causal-h4:4-n8000-fp8-stale"] == str([gluon_padded[0], *triton_fp8[1:]])
+    for name in ("d128-causal-h4:4-n8192-fp8-matching", "d128-causal-h4:4-n8192-fp8-stale",
+                 "d64-causal-h4:4-n8000-bf16-matching", "d256-causal-fp8"):
+        assert got["ragged:" + name] == got[name]
