@@ -30,6 +30,9 @@ def check_main(argv: list[str]) -> int:
     parser.add_argument("--data", help="with --model: a .txt or .jsonl ('text' field) file of text to run")
     parser.add_argument("--out", help="with --model: directory for fidelity.json and fidelity.png "
                                       "(default fidelity-MODELNAME)")
+    parser.add_argument("--qk-transforms", action="store_true",
+                        help="with --model: also fp8-matching with the outlier transforms (Hadamard rotation of q and "
+                             "k, K smoothing, both): do they help on this model's q and k?")
     args = parser.parse_args(argv)
     if args.model or args.data:
         from . import fidelity

@@ -12,6 +12,11 @@ for an fp16 model):
                          bf16 (this op in bf16) and SDPA (torch's scaled_dot_product_attention in bf16)
   - dS row-sum residual  ||sum_j dS_ij|| / ||sum_j |dS_ij|||, by the reference backend (the contract's dS)
   - shift residual       ||sum_j dK_j|| / ||dK||: a bias that moves every key alike (exact attention: ~0)
+  - channel outliers     q's and k's largest per-channel RMS over their median channel RMS (trained LLMs carry a few
+                         channels tens of times the rest: docs/numerics.md, "Outlier channels"), and k's mean over
+                         the keys relative to its RMS (a bias K smoothing removes)
+With `qk_transforms=True` (`--qk-transforms`), fp8-matching also runs with the outlier transforms
+(DeltaMatchConfig.qk_rotation="hadamard", smooth_k=True, and both): the measurement behind choosing them for a model.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from .diagnostics import _rel, exact_attention
 CAPTURE = "hf_deltamatch_capture"
 MODES = ("fp8-matching", "fp8-stale", "bf16", "sdpa")
 _OUR_MODES = {"fp8-matching": ("fp8", "matching"), "fp8-stale": ("fp8", "stale"), "bf16": ("bf16", "matching")}
+# fp8-matching with the outlier transforms: mode -> (qk_rotation, smooth_k)
+TRANSFORM_MODES = {"fp8+hadamard": ("hadamard", False), "fp8+smooth": ("none", True), "fp8+both": ("hadamard", True)}
 _HEADS_PER_CHUNK = 4  # float64 score matrices of this many heads at a time (memory)
 
 
@@ -262,20 +269,39 @@ def _sdpa(q, k, v, causal, scale, window):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def measure_layer(rec: LayerCapture, block: int = 128, backend: str = "auto") -> dict:
-    """Everything the module docstring lists, for one captured layer."""
+def _channel_stats(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """Per-channel RMS of q and k over heads' tokens: largest over median (1 for evenly spread channels); and the
+    norm of k's mean over the keys relative to k's RMS (per head, the largest)."""
+    def ratio(x):
+        rms = x.double().pow(2).mean(dim=(0, 2)).sqrt()  # (heads, D)
+        return (rms.amax(dim=-1) / rms.median(dim=-1).values.clamp_min(1e-300)).amax().item()
+
+    kd = k.double()
+    bias = kd.mean(dim=2).norm(dim=-1) / kd.pow(2).sum(-1).mean(dim=2).sqrt().clamp_min(1e-300)  # (B, Hkv)
+    return {"q_channel_ratio": ratio(q), "k_channel_ratio": ratio(k), "k_mean_ratio": bias.amax().item()}
+
+
+def measure_layer(rec: LayerCapture, block: int = 128, backend: str = "auto", qk_transforms: bool = False) -> dict:
+    """Everything the module docstring lists, for one captured layer (with `qk_transforms`, also fp8-matching with
+    each of TRANSFORM_MODES)."""
     dtype = torch.float16 if rec.q.dtype == torch.float16 else torch.bfloat16
     q, k, v, do = (t.to(dtype) for t in (rec.q, rec.k, rec.v, rec.do))
     kw = dict(causal=rec.causal, softmax_scale=rec.scale, window=rec.window)
     _, *exact = exact_grads(q, k, v, do, rec.causal, rec.scale, rec.window)
     row = {"layer": rec.layer, "heads": q.shape[1], "kv_heads": k.shape[1], "head_dim": q.shape[-1],
-           "tokens": q.shape[2], **_score_stats(q, k, rec.causal, rec.scale, rec.window),
+           "tokens": q.shape[2], **_score_stats(q, k, rec.causal, rec.scale, rec.window), **_channel_stats(q, k),
            "exact_dk_shift": _shift(exact[1]), "modes": {}}
-    for mode in MODES:
+    for mode in MODES + (tuple(TRANSFORM_MODES) if qk_transforms else ()):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         if mode == "sdpa":
             out = _sdpa(*leaves, rec.causal, rec.scale, rec.window)
             residual = None
+        elif mode in TRANSFORM_MODES:
+            rotation, smooth = TRANSFORM_MODES[mode]
+            config = DeltaMatchConfig(precision="fp8", delta="matching", block=block, backend=backend,
+                                      qk_rotation=rotation, smooth_k=smooth)
+            out = deltamatch_attention(*leaves, **kw, config=config)
+            residual = None  # the transformed problem's dS is fp8-matching's on rotated/centered q and k
         else:
             precision, delta = _OUR_MODES[mode]
             config = DeltaMatchConfig(precision=precision, delta=delta, block=block, backend=backend)
@@ -300,9 +326,9 @@ def measure_layer(rec: LayerCapture, block: int = 128, backend: str = "auto") ->
 
 
 def check_model(model_path, data_path, *, seq_len=1024, batch=1, block=128, device="cpu", backend="auto",
-                dtype=torch.bfloat16, text_field="text") -> dict:
+                dtype=torch.bfloat16, text_field="text", qk_transforms=False) -> dict:
     """Load the model and tokenizer from `model_path`, run `batch` sequences of `seq_len` tokens of `data_path`
-    through it, and measure every attention layer. Returns the report (JSON-ready)."""
+    through it, and measure every attention layer (measure_layer). Returns the report (JSON-ready)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(_checkpoint(model_path)))
@@ -310,7 +336,7 @@ def check_model(model_path, data_path, *, seq_len=1024, batch=1, block=128, devi
     model = load_model(model_path, dtype=dtype, device=device)
     loss, layers = capture(model, ids.to(device))
     del model
-    rows = [measure_layer(rec, block=block, backend=backend) for rec in layers]
+    rows = [measure_layer(rec, block=block, backend=backend, qk_transforms=qk_transforms) for rec in layers]
     return {"model": str(model_path), "data": str(data_path), "seq_len": seq_len, "batch": batch, "block": block,
             "device": str(device), "backend": backend, "dtype": str(dtype).replace("torch.", ""), "loss": loss,
             "layers": rows}
@@ -335,6 +361,17 @@ def format_tables(report: dict) -> str:
     for r in report["layers"]:
         t2.append(f"{r['layer']:>5} | " + " | ".join(
             " ".join(f"{r['modes'][m][g]:>6.3f}" for m in MODES) for g in ("err_dq", "err_dk", "err_dv")))
+    extra = [m for m in TRANSFORM_MODES if m in report["layers"][0]["modes"]]
+    t3 = [f"{'layer':>5} | {'channel RMS max/median':^19} | {'k mean':>7} | "
+          + " | ".join(f"{g + ' error, fp8-matching':^{8 * (len(extra) + 1) - 1}}" for g in ("dQ", "dK")),
+          f"{'':>5} | {'q':>9} {'k':>9} | {'/ RMS':>7} | "
+          + " | ".join(" ".join(f"{n:>7}" for n in ("plain", *(m[4:] for m in extra))) for _ in range(2))]
+    for r in report["layers"]:
+        t3.append(f"{r['layer']:>5} | {r['q_channel_ratio']:>9.1f} {r['k_channel_ratio']:>9.1f} | "
+                  f"{r['k_mean_ratio']:>7.2f} | " + " | ".join(
+                      " ".join(f"{r['modes'][m][g]:>7.4f}" for m in ("fp8-matching", *extra))
+                      for g in ("err_dq", "err_dk")))
+
     def ratio_of(r):
         return r["modes"]["fp8-stale"]["err_dq"] / r["modes"]["fp8-matching"]["err_dq"]
 
@@ -343,7 +380,7 @@ def format_tables(report: dict) -> str:
     bad = sum(m["nonfinite"] for r in report["layers"] for m in r["modes"].values())
     tail = (f"largest stale/matching dQ error ratio: {ratio:.2f}x at layer {worst['layer']} "
             f"(sink mass {worst['sink_mass']:.3f}); non-finite gradient entries: {bad}")
-    return "\n".join([head, "", *t1, "", *t2, "", tail])
+    return "\n".join([head, "", *t1, "", *t2, "", *t3, "", tail])
 
 
 def plot(report: dict, path: str | Path) -> None:
@@ -356,8 +393,9 @@ def plot(report: dict, path: str | Path) -> None:
     layers = [r["layer"] for r in report["layers"]]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     for ax, (g, title) in zip(axes.flat, (("err_dq", "dQ"), ("err_dk", "dK"), ("err_dv", "dV"))):
-        for i, mode in enumerate(MODES):
-            ax.plot(layers, [r["modes"][mode][g] for r in report["layers"]], "o-", color=f"C{i}", ms=3, label=mode)
+        for i, mode in enumerate(report["layers"][0]["modes"]):
+            ax.plot(layers, [r["modes"][mode][g] for r in report["layers"]], "o-" if mode in MODES else "^:",
+                    color=f"C{i}", ms=3, label=mode)
         ax.set_yscale("log")
         ax.set_title(f"{title}: relative error vs float64")
         ax.grid(alpha=0.3, which="both")
@@ -389,7 +427,7 @@ def check_main(args) -> int:
         return 2
     try:
         report = check_model(args.model, args.data, seq_len=args.seq_len, batch=args.batch, block=args.block,
-                             device=args.device, backend=args.backend)
+                             device=args.device, backend=args.backend, qk_transforms=args.qk_transforms)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

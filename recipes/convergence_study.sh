@@ -11,7 +11,8 @@
 #   fp8-fwd       --precision fp8_fwd                        ablation: fp8 forward, bf16 backward
 #   fp8-bwd       --precision fp8_bwd                        ablation: bf16 forward, fp8 backward (Delta-Matching)
 #   fp8-bwd-stale --precision fp8_bwd --delta stale          ablation: bf16 forward, fp8 backward, stale delta
-# then `hf-deltamatch check --model` on each mode's seed-0 final model (and on the warm-start checkpoint), and
+# then `hf-deltamatch check --model --qk-transforms` on each mode's seed-0 final model (and on the warm-start checkpoint;
+# with the outlier transforms: do they help on trained q and k?), and
 # OUT_DIR/results.md: final validation CE mean ± std per mode, the gap to bf16 and whether it exceeds bf16's seed
 # range (hf_deltamatch/training/sweep.py), the fidelity summary, loss.png and loss_attn.png (seed 0 of each mode).
 #
@@ -63,12 +64,12 @@ ensure_datasets
 COMMON=(--config "$CFG" --max_steps "$STEPS" --warmup_steps 30 --batch_size 2 --grad_accum 1 --lr 1e-3
         --save_every 1000000 --eval_every 50 --eval_batches 64 --log_every 5 --corpus_bytes 40000000
         --data_seed 0 --attn_stats "$ATTN_STATS")
-FID=(--seq-len "$FID_SEQ" --batch 2)
+FID=(--seq-len "$FID_SEQ" --batch 2 --qk-transforms)
 if [ "$SMOKE" = 1 ]; then
   CFG="tiny-cpu defaults (SMOKE=1 rehearsal)"
   COMMON=(--max_steps "$STEPS" --warmup_steps 1 --save_every 1000000 --eval_every 2 --eval_batches 2 --log_every 1
           --corpus_bytes 400000 --vocab_size 512 --seq_len 128 --batch_size 4 --data_seed 0 --attn_stats "$ATTN_STATS")
-  FID=(--seq-len "$FID_SEQ" --batch 1 --block 64)
+  FID=(--seq-len "$FID_SEQ" --batch 1 --block 64 --qk-transforms)
 fi
 # shellcheck disable=SC2206
 COMMON+=($EXTRA)
@@ -196,17 +197,19 @@ for mode in $MODES; do SEED0+=("$OUT/runs/$mode/seed-$FIRST_SEED"); done
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print("| model | layers | max sink mass | max P underflow | dQ err fp8-matching | dQ err fp8-stale | dQ err bf16 "
-      "| dQ err sdpa | worst stale/matching dQ |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| model | layers | max sink mass | max P underflow | max k channel ratio | dQ err fp8-matching "
+      "| dQ err fp8-stale | dQ err bf16 | dQ err sdpa | dQ err fp8+hadamard | dQ err fp8+smooth "
+      "| worst stale/matching dQ |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for f in sorted((out / "fidelity").glob("*/fidelity.json")):
     r = json.loads(f.read_text())
     L = r["layers"]
     mean = lambda mode: sum(x["modes"][mode]["err_dq"] for x in L) / len(L)
     worst = max(x["modes"]["fp8-stale"]["err_dq"] / x["modes"]["fp8-matching"]["err_dq"] for x in L)
     print(f"| {f.parent.name} | {len(L)} | {max(x['sink_mass'] for x in L):.3f} | "
-          f"{max(x['p_underflow'] for x in L):.2%} | {mean('fp8-matching'):.4f} | {mean('fp8-stale'):.4f} | "
-          f"{mean('bf16'):.4f} | {mean('sdpa'):.4f} | {worst:.2f}x |")
+          f"{max(x['p_underflow'] for x in L):.2%} | {max(x['k_channel_ratio'] for x in L):.1f} | "
+          f"{mean('fp8-matching'):.4f} | {mean('fp8-stale'):.4f} | {mean('bf16'):.4f} | {mean('sdpa'):.4f} | "
+          f"{mean('fp8+hadamard'):.4f} | {mean('fp8+smooth'):.4f} | {worst:.2f}x |")
 print(f"\n(means over layers; {L[0]['tokens']} tokens per sequence; per-layer tables in fidelity/*/)")
 PYEOF
 {

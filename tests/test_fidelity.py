@@ -202,3 +202,36 @@ def test_fidelity_on_gpu_kernels(tmp_path):
             hi = float("inf") if mode == "fp8-stale" else 0.5
             assert all(0 < r["modes"][mode][g] < hi for g in ("err_dq", "err_dk", "err_dv")), (mode, r["modes"])
     assert sink["modes"]["fp8-stale"]["err_dq"] > 1.5 * sink["modes"]["fp8-matching"]["err_dq"]
+
+
+def test_outlier_channels_and_the_transforms_are_measured():
+    """measure_layer's channel statistics and, with qk_transforms, fp8-matching with each outlier transform: on q/k
+    with 4 of 64 channels ×20 in k (×4 in q) and a k bias, the channel ratios show the outliers, the rotation lowers
+    the dQ/dK errors of fp8-matching (issue 29's table: 0.42 -> 0.18 at D=128), and smoothing alone helps the biased
+    keys; without qk_transforms only the four base modes run."""
+    torch.manual_seed(0)
+    B, H, N, D = 1, 2, 256, 64
+    q, k, v, do = (torch.randn(B, H, N, D, dtype=torch.float64) for _ in range(4))
+    k[..., :4] *= 20
+    q[..., :4] *= 4
+    k = k + 3.0  # a bias on every channel of k: K smoothing's case
+    scale = D ** -0.5
+    out = fidelity.exact_grads(q, k, v, do, True, scale, None)[0]
+    rec = fidelity.LayerCapture(layer=0, q=q.float(), k=k.float(), v=v.float(), out=out.float(), causal=True,
+                                scale=scale, window=None, do=do.float())
+    plain = fidelity.measure_layer(rec, block=64)
+    assert set(plain["modes"]) == set(fidelity.MODES)
+    assert plain["k_channel_ratio"] > 5 and plain["q_channel_ratio"] > 2 and plain["k_mean_ratio"] > 0.2
+    row = fidelity.measure_layer(rec, block=64, qk_transforms=True)
+    m = row["modes"]
+    assert set(m) == set(fidelity.MODES) | set(fidelity.TRANSFORM_MODES)
+    for mode in fidelity.TRANSFORM_MODES:
+        assert m[mode]["nonfinite"] == 0 and 0 < m[mode]["err_dq"] < 0.5, (mode, m[mode])
+    assert m["fp8+hadamard"]["err_dq"] < 0.8 * m["fp8-matching"]["err_dq"], m
+    assert m["fp8+both"]["err_dk"] < 0.8 * m["fp8-matching"]["err_dk"], m
+    # matching's error is the same measurement in both runs (deterministic)
+    assert m["fp8-matching"] == plain["modes"]["fp8-matching"]
+    report = {"model": "synthetic", "data": "-", "seq_len": N, "batch": B, "block": 64, "device": "cpu",
+              "backend": "auto", "loss": 0.0, "layers": [row]}
+    text = fidelity.format_tables(report)
+    assert "channel RMS max/median" in text and "hadamard" in text and "smooth" in text
