@@ -28,6 +28,7 @@ import datetime
 import inspect
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -359,6 +360,8 @@ def parse_args(argv=None):
     p.add_argument("--v-heads", type=int, default=None, help="value heads (GVA when > --heads; default = --heads)")
     p.add_argument("--dim", type=int, default=128, help="head dim (K = V)")
     p.add_argument("--lengths", default="2048,8192", help="correctness: sequence lengths (each dense and packed)")
+    p.add_argument("--layouts", default="dense,packed",
+                   help="correctness layouts: dense (B rows of one sequence) and/or packed (one row of documents)")
     p.add_argument("--time-lengths", default="8192,65536", help="fwd+bwd timing lengths ('' = none)")
     p.add_argument("--float64-max-len", type=int, default=8192,
                    help="longest T for the float64 recurrence (a Python loop over tokens: ~1 s per 1K tokens)")
@@ -368,6 +371,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.v_heads = args.v_heads or args.heads
+    if not {x.strip() for x in args.layouts.split(",") if x.strip()} <= {"dense", "packed"} or not args.layouts.strip():
+        p.error(f"--layouts {args.layouts!r}: dense, packed or dense,packed")
     if args.v_heads % args.heads:
         p.error(f"--v-heads {args.v_heads} must be a multiple of --heads {args.heads}")
     return args
@@ -384,6 +389,8 @@ def main(argv=None) -> int:
         print("error: no CUDA device; on CPU run with --device cpu (torch and float64 parts only).", file=sys.stderr)
         return 2
     device = torch.device(args.device)
+    # FLA autotunes its kernels for each new shape: keep the results on disk for the next process
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     from hf_deltamatch.training.modeling import gdn_backend
 
     torch_fn = torch_gdn_fn()
@@ -403,8 +410,9 @@ def main(argv=None) -> int:
         stem.with_suffix(".json").write_text(json.dumps(attention_bench._sanitize(report), indent=1))
         stem.with_suffix(".md").write_text(report_md(report))
 
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     for length in [int(x) for x in args.lengths.split(",") if x.strip()]:
-        for packed in (False, True):
+        for packed in [layout == "packed" for layout in layouts]:
             try:
                 report["correctness"].append(correctness_case(args, device, length, packed, fla, torch_fn, log))
             except Exception as exc:  # noqa: BLE001

@@ -152,3 +152,15 @@ def test_fla_hopper_backward_refusal(monkeypatch, triton_version, tilelang, capa
     assert (message is not None) == refuses
     if refuses:
         assert "tilelang" in message and "3.7.1" in message
+
+
+def test_layouts_select_the_correctness_cases(gdn, tmp_path):
+    """--layouts packed runs only the packed case (the isolation check first, where a GPU call's time is short)."""
+    rc = gdn.main(["--device", "cpu", "--batch", "1", "--heads", "2", "--dim", "16", "--lengths", "100",
+                   "--layouts", "packed", "--time-lengths", "", "--out", str(tmp_path)])
+    assert rc == 0
+    (js,) = tmp_path.glob("gdn-check-*-cpu.json")
+    report = json.loads(js.read_text())
+    assert [c["case"] for c in report["correctness"]] == ["B1-H2-T100-D16-packed"] and not report["timing"]
+    with pytest.raises(SystemExit):
+        gdn.parse_args(["--layouts", "sparse"])
