@@ -10,6 +10,7 @@ transformers' torch rule run on each document of `cu_seqlens`, so the conv is th
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -227,6 +228,16 @@ def test_perturbing_one_document_leaves_the_next_documents_conv_unchanged(hybrid
     first, second = seen
     assert not torch.equal(first[:, :, :12], second[:, :, :12])  # document 1 did change
     assert torch.equal(first[:, :, 12:], second[:, :, 12:])  # documents 2 and 3: not a bit moved
+
+
+def test_benchmark_script_runs(capsys):
+    from _scripts import ROOT, script_module
+
+    with script_module(ROOT / "benchmarks" / "short_conv.py", "bench_short_conv") as bench:
+        bench.main(["--channels", "16", "--tokens", "64", "--docs", "5", "--device", "cpu", "--reps", "1"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["mode"] for r in rows] == ["forward", "forward_backward"]
+    assert all(r["plain_ms"] > 0 and r["per_document_ms"] > 0 for r in rows)
 
 
 # ---------------------------------------------------------------------------------------------------------
