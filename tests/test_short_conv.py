@@ -48,7 +48,8 @@ def _per_document(x, weight, bias, lengths, activation):
 def _inputs(n_tokens, dtype, channels=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, n_tokens, channels, generator=g).transpose(1, 2)  # channel-last, as the layers pass it
-    return x.to(dtype), torch.randn(channels, WIDTH, generator=g).to(dtype), torch.randn(channels, generator=g).to(dtype)
+    weight, bias = torch.randn(channels, WIDTH, generator=g), torch.randn(channels, generator=g)
+    return x.to(dtype), weight.to(dtype), bias.to(dtype)
 
 
 @pytest.mark.parametrize("activation", ["silu", None])

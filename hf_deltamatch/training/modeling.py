@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ConfigError, TrainConfig, load_config_file, parse_lora
+from .short_conv import document_aware
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +219,6 @@ def gdn_backend() -> str:
 
     transformers resolves it once, when its modeling module is imported (FLA if `fla.ops.gated_delta_rule`
     imports, else its torch function); this reads the resolved function from the dispatch wrapper."""
-    import inspect
-
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     try:
@@ -299,16 +300,12 @@ def keep_short_conv_documents_apart(model: nn.Module, force: bool = False) -> in
               and not getattr(m, "_hf_dm_per_doc", False) and not getattr(m, "_hf_dm_conv", False)]
     if not layers:
         return 0
-    import inspect
-    import sys
-
-    from .short_conv import document_aware
-
     for module in {sys.modules[type(m).__module__] for m in layers}:
         if not callable(getattr(module, "causal_conv1d_fn", None)):
-            raise ConfigError(f"{module.__name__} has no module-level causal_conv1d_fn to make document-aware, so its "
-                              "short convolution would mix packed documents: use transformers >= 5.2 or uninstall "
-                              "flash-linear-attention (the layers then run per document).")
+            raise ConfigError(f"{module.__name__} has no module-level causal_conv1d_fn to make document-aware, so "
+                              "its short convolution would mix packed documents: use a transformers whose Gated "
+                              "DeltaNet calls one (5.24 does), or uninstall flash-linear-attention (the layers then "
+                              "run per document).")
         module.causal_conv1d_fn = document_aware(module.causal_conv1d_fn)
     packed: dict = {}
     backbone = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
@@ -316,8 +313,9 @@ def keep_short_conv_documents_apart(model: nn.Module, force: bool = False) -> in
     for module in layers:
         params = inspect.signature(module.forward).parameters.values()
         if not any(p.kind is p.VAR_KEYWORD for p in params):
-            raise ConfigError(f"{type(module).__name__}.forward takes no **kwargs, so packed boundaries cannot reach "
-                              "its convolution and gated delta rule: use transformers >= 5.2.")
+            raise ConfigError(f"{type(module).__name__}.forward takes no **kwargs, so packed boundaries cannot "
+                              "reach its convolution and gated delta rule: use a transformers whose layers take them "
+                              "(5.24 does).")
         module.forward = _with_boundaries(module.forward, packed)
         module._hf_dm_conv = True
     return len(layers)
