@@ -241,6 +241,24 @@ def test_benchmark_script_runs(capsys):
     assert all(r["plain_ms"] > 0 and r["per_document_ms"] > 0 for r in rows)
 
 
+def test_no_gradient_crosses_a_document_boundary(hybrid):
+    """Backward through the patched layer: document 2's logits have exactly zero gradient on document 1's inputs
+    (without the patch, the conv's taps carry one)."""
+    model, _ = hybrid
+    docs = _docs([10, 3, 15])
+    batch = PackedCollator()([{"input_ids": torch.cat(docs).tolist(), "doc_lens": [10, 3, 15]}])
+    kwargs = {k: v for k, v in batch.items() if k not in ("labels", "input_ids")}
+
+    def grad_on_first_document():
+        embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_()
+        model(inputs_embeds=embeds, **kwargs, use_cache=False).logits[0, 10:].sum().backward()
+        return embeds.grad[0, :10]
+
+    assert grad_on_first_document().abs().max() > 0  # the leak, backward
+    keep_short_conv_documents_apart(model, force=True)
+    assert torch.count_nonzero(grad_on_first_document()) == 0
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: the real flash-linear-attention layer, and the causal-conv1d kernel's seq_idx where installed
 # ---------------------------------------------------------------------------------------------------------
