@@ -24,7 +24,8 @@
 #
 # The preflight names the Gated DeltaNet kernel transformers actually resolved: with flash-linear-attention
 # installed it must be FLA's (else transformers silently took its torch fallback, which mixes packed documents
-# in this transformers, so the script stops there with the import error).
+# in this transformers, so the script stops there with the import error), and what runs the layers' short
+# convolution (with FLA: transformers' conv made to restart at packed document starts, training/short_conv.py).
 set -euo pipefail
 
 OUT=${1:?usage: bash recipes/gpu_runs.sh OUT_DIR}
@@ -75,7 +76,9 @@ except Exception as e:
 import importlib.util, os, yaml, torch
 from hf_deltamatch.training.config import TrainConfig
 from hf_deltamatch.training.data import PackedCollator
-from hf_deltamatch.training.modeling import CausalLMWithLoss, keep_linear_attention_documents_apart, setup_attention
+from hf_deltamatch.training.modeling import (CausalLMWithLoss, keep_linear_attention_documents_apart,
+                                             keep_short_conv_documents_apart, setup_attention)
+from hf_deltamatch.training.short_conv import describe as describe_short_conv, implementation_name
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 spec = dict(yaml.safe_load(open(os.environ["GPU_RUNS_CFG"]))["model_config"]) if not smoke else \
     dict(TrainConfig().model_config)
@@ -84,6 +87,7 @@ setup_attention(TrainConfig(attn="deltamatch_fp8"))
 lm = transformers.AutoModelForCausalLM.from_config(AutoConfig.for_model(mt, vocab_size=1024, **spec),
                                                    attn_implementation="deltamatch_fp8").to(dev)
 keep_linear_attention_documents_apart(lm)
+keep_short_conv_documents_apart(lm)
 
 
 def resolved(fn, depth=0):
@@ -107,7 +111,7 @@ gdn_layers = [m for m in lm.modules() if type(m).__name__.endswith("GatedDeltaNe
 if gdn_layers:
     mod = sys.modules[type(gdn_layers[0]).__module__]
     rule, conv = getattr(mod, "torch_chunk_gated_delta_rule", None), getattr(mod, "causal_conv1d_fn", None)
-    impl, conv_impl = resolved(rule), resolved(conv)
+    impl = resolved(rule)
     if impl is not None:
         gdn = f"{impl.__module__}.{impl.__name__} (varlen, cu_seqlens)"
     elif rule is None:
@@ -118,8 +122,12 @@ if gdn_layers:
                  "DeltaNet (torch fallback); see above")
     else:
         gdn = "transformers' torch fallback, run per document"
-    gdn += "; short conv: " + (f"{conv_impl.__module__}.{conv_impl.__name__}" if conv_impl is not None else
-                               "torch conv1d (not reset at packed document starts when FLA runs the layer)")
+    if conv is None:
+        gdn += "; short conv: unknown (this transformers has no causal_conv1d_fn)"
+    elif getattr(gdn_layers[0], "_hf_dm_per_doc", False):
+        gdn += f"; short conv: {implementation_name(conv)}, run per document"
+    else:
+        gdn += f"; short conv: {describe_short_conv(conv)}"
 batch = PackedCollator()([{"input_ids": list(range(1, 1001)), "doc_lens": [300, 700]}])
 batch = {k: v.to(dev) if hasattr(v, "to") else v for k, v in batch.items()}
 with torch.autocast(dev, dtype=torch.bfloat16):

@@ -7,14 +7,17 @@
   the full (tokens x vocab) logits;
 - optional LoRA (peft) and FP8 linear layers (torchao float8 training, CUDA only);
 - hybrids (Gated DeltaNet + attention): without flash-linear-attention, transformers' torch fallback of the
-  gated delta rule cannot keep packed documents apart, so those layers run document by document.
+  gated delta rule cannot keep packed documents apart, so those layers run document by document; with it,
+  their short convolution is made to restart at packed document starts too (`short_conv.py`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import ConfigError, TrainConfig, load_config_file, parse_lora
+from .short_conv import document_aware
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +191,8 @@ def build_model(cfg: TrainConfig, tokenizer):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_linear = keep_linear_attention_documents_apart(model)
+    if n_conv := keep_short_conv_documents_apart(model):
+        log.info("Gated DeltaNet short convolutions restart at packed document starts (%d layers)", n_conv)
     if (refusal := fla_hopper_backward_refusal()) and any(type(m).__name__.endswith("GatedDeltaNet")
                                                           for m in model.modules()):
         log.warning(refusal)
@@ -213,8 +219,6 @@ def gdn_backend() -> str:
 
     transformers resolves it once, when its modeling module is imported (FLA if `fla.ops.gated_delta_rule`
     imports, else its torch function); this reads the resolved function from the dispatch wrapper."""
-    import inspect
-
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     try:
@@ -278,6 +282,57 @@ def keep_linear_attention_documents_apart(model: nn.Module, force: bool = False)
         module.forward = _per_document(module.forward, packed)
         module._hf_dm_per_doc = True
     return len(layers)
+
+
+def keep_short_conv_documents_apart(model: nn.Module, force: bool = False) -> int:
+    """Make Gated DeltaNet layers' short convolution restart at packed document starts when FLA runs them.
+
+    transformers passes the packed boundaries to FLA's varlen gated delta rule but runs the layer's
+    `causal_conv1d_fn` over the whole row; here the modeling module's function is replaced by one that honours
+    them (`short_conv.document_aware`; calls without boundaries are unchanged). Boundaries come from the layer's
+    kwargs or, when transformers does not forward them, from the backbone pre-hook, which then also reach the
+    gated delta rule. Layers already run per document are left alone. `force` applies it without FLA (tests).
+    Returns the number of layers covered.
+    """
+    if not (fla_available() or force):
+        return 0
+    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")
+              and not getattr(m, "_hf_dm_per_doc", False) and not getattr(m, "_hf_dm_conv", False)]
+    if not layers:
+        return 0
+    for module in {sys.modules[type(m).__module__] for m in layers}:
+        if not callable(getattr(module, "causal_conv1d_fn", None)):
+            raise ConfigError(f"{module.__name__} has no module-level causal_conv1d_fn to make document-aware, so "
+                              "its short convolution would mix packed documents: use a transformers whose Gated "
+                              "DeltaNet calls one (5.24 does), or uninstall flash-linear-attention (the layers then "
+                              "run per document).")
+        module.causal_conv1d_fn = document_aware(module.causal_conv1d_fn)
+    packed: dict = {}
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    backbone.register_forward_pre_hook(_remember_boundaries(packed), with_kwargs=True)
+    for module in layers:
+        params = inspect.signature(module.forward).parameters.values()
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            raise ConfigError(f"{type(module).__name__}.forward takes no **kwargs, so packed boundaries cannot "
+                              "reach its convolution and gated delta rule: use a transformers whose layers take them "
+                              "(5.24 does).")
+        module.forward = _with_boundaries(module.forward, packed)
+        module._hf_dm_conv = True
+    return len(layers)
+
+
+def _with_boundaries(forward, packed: dict):
+    """Adds the pre-hook's boundaries as `cu_seq_lens_q` to a packed (batch 1, uncached) call that lacks them."""
+    def forward_with_boundaries(*args, **kwargs):
+        cu = packed.get("cu")
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        cache = kwargs.get("cache", kwargs.get("cache_params"))
+        if (kwargs.get("cu_seq_lens_q") is None and kwargs.get("seq_idx") is None and cu is not None
+                and hidden.shape[0] == 1 and cache is None and int(cu[-1]) == hidden.shape[1]):
+            kwargs["cu_seq_lens_q"] = cu.to(torch.int32)
+        return forward(*args, **kwargs)
+
+    return forward_with_boundaries
 
 
 def _remember_boundaries(packed: dict):
