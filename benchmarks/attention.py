@@ -601,6 +601,14 @@ def _run(cmd) -> str | None:
         return None
 
 
+def package_version(name: str) -> str:
+    """`name`'s __version__, or "not installed" (for the reports' environment lines)."""
+    try:
+        return __import__(name).__version__
+    except Exception:  # noqa: BLE001  (a broken optional install is reported, not fatal)
+        return "not installed"
+
+
 def environment(device) -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "host": platform.node()}

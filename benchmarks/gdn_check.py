@@ -343,13 +343,6 @@ def report_md(report) -> str:
     return "\n".join(lines)
 
 
-def _version(name):
-    try:
-        return __import__(name).__version__
-    except Exception:  # noqa: BLE001
-        return "not installed"
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -398,8 +391,8 @@ def main(argv=None) -> int:
     now = datetime.datetime.now(datetime.timezone.utc)
     env = attention_bench.environment(device)
     report = {"meta": {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "argv": sys.argv[1:] if argv is None else argv,
-                       "transformers": _version("transformers"), "fla": _version("fla"),
-                       "tilelang": _version("tilelang"), "transformers_gdn_backend": gdn_backend(),
+                       **{name: attention_bench.package_version(name) for name in ("transformers", "fla", "tilelang")},
+                       "transformers_gdn_backend": gdn_backend(),
                        "tolerance": TOL, "args": vars(args)},
               "environment": env, "correctness": [], "timing": []}
     out = Path(args.out)

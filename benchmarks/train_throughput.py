@@ -390,13 +390,6 @@ def report_md(report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _version(name):
-    try:
-        return __import__(name).__version__
-    except Exception:  # noqa: BLE001
-        return "not installed"
-
-
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -440,8 +433,8 @@ def main(argv=None) -> int:
     env = attention_bench.environment(device)
     peak = _peak_tflops(device, args.peak_tflops)
     report = {"meta": {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "argv": sys.argv[1:] if argv is None else argv,
-                       "transformers": _version("transformers"), "fla": _version("fla"),
-                       "tilelang": _version("tilelang"), "torchao": _version("torchao"), "peak_tflops": peak},
+                       **{name: attention_bench.package_version(name)
+                          for name in ("transformers", "fla", "tilelang", "torchao")}, "peak_tflops": peak},
               "environment": env, "runs": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
