@@ -169,8 +169,9 @@ class SpanTimer:
 
 
 def instrument(model, device):
-    """(attention timer, Gated DeltaNet timer or None, undo): wraps the attention function the model looks up
-    at every call and the gated delta rule its linear-attention layers call."""
+    """(attention timer, Gated DeltaNet timer or None, short-conv timer or None, undo): wraps the attention function
+    the model looks up at every call, and the gated delta rule and short convolution (`causal_conv1d_fn`, with the
+    document restart of hf_deltamatch.training.short_conv where that is installed) its linear-attention layers call."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = model.config._attn_implementation
@@ -180,16 +181,22 @@ def instrument(model, device):
     ALL_ATTENTION_FUNCTIONS[name] = attn.wrap(original, query_index=1)  # (module, query, key, value, mask, ...)
     undo = [lambda: ALL_ATTENTION_FUNCTIONS.__setitem__(name, original) if had_local
             else ALL_ATTENTION_FUNCTIONS._local_mapping.pop(name, None)]
-    gdn = None
+    gdn = conv = None
     layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     if layers:
         module = sys.modules[type(layers[0]).__module__]
-        fn = getattr(module, "torch_chunk_gated_delta_rule", None)
-        if fn is not None:
-            gdn = SpanTimer(device)
-            setattr(module, "torch_chunk_gated_delta_rule", gdn.wrap(fn, query_index=0))
-            undo.append(lambda: setattr(module, "torch_chunk_gated_delta_rule", fn))
-    return attn, gdn, lambda: [u() for u in undo]
+        for name, query_index in (("torch_chunk_gated_delta_rule", 0), ("causal_conv1d_fn", 0)):
+            fn = getattr(module, name, None)
+            if fn is None:
+                continue
+            timer = SpanTimer(device)
+            setattr(module, name, timer.wrap(fn, query_index=query_index))
+            undo.append(lambda name=name, fn=fn: setattr(module, name, fn))
+            if name == "causal_conv1d_fn":
+                conv = timer
+            else:
+                gdn = timer
+    return attn, gdn, conv, lambda: [u() for u in undo]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -260,7 +267,8 @@ def run_one(spec: dict) -> dict:
     batch, doc_lens = random_batch(cfg, len(tokenizer), spec["docs_per_row"], cfg.seed, device)
     n_params = matmul_params(lm)
     flops = step_flops(lm.config, n_params, doc_lens, cfg.grad_accum)
-    attn_timer, gdn_timer, undo = instrument(lm, device)
+    attn_timer, gdn_timer, conv_timer, undo = instrument(lm, device)
+    opt_timer = SpanTimer(device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
 
     def step():
@@ -268,11 +276,14 @@ def run_one(spec: dict) -> dict:
             with autocast:
                 loss, _ = wrapped(**batch)
             (loss / cfg.grad_accum).backward()
+        start = opt_timer._mark() if opt_timer.enabled else None
         if cfg.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.clip_grad)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if start is not None:
+            opt_timer.spans.append([start, opt_timer._mark()])
         return loss.detach()
 
     def sync():
@@ -284,12 +295,12 @@ def run_one(spec: dict) -> dict:
     sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    attn_ms = gdn_ms = 0.0
+    attn_ms = gdn_ms = conv_ms = opt_ms = 0.0
     step_ms = []
     for _ in range(spec["steps"]):
-        attn_timer.enabled = True
-        if gdn_timer is not None:
-            gdn_timer.enabled = True
+        for timer in (attn_timer, gdn_timer, conv_timer, opt_timer):
+            if timer is not None:
+                timer.enabled = True
         sync()
         t0 = time.perf_counter()
         loss = step()
@@ -298,6 +309,8 @@ def run_one(spec: dict) -> dict:
         losses.append(float(loss))
         attn_ms += attn_timer.take_ms()
         gdn_ms += gdn_timer.take_ms() if gdn_timer is not None else 0.0
+        conv_ms += conv_timer.take_ms() if conv_timer is not None else 0.0
+        opt_ms += opt_timer.take_ms()
     undo()
     total_ms = sum(step_ms)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
@@ -324,6 +337,8 @@ def run_one(spec: dict) -> dict:
         "flops_per_step": flops, "achieved_tflops": achieved,
         "mfu": achieved / peak if peak else None, "peak_tflops": peak,
         "attention_share": attn_ms / total_ms, "gdn_share": gdn_ms / total_ms if gdn_timer is not None else None,
+        "short_conv_share": conv_ms / total_ms if conv_timer is not None else None,
+        "optimizer_share": opt_ms / total_ms,
         "attention_calls": attn_timer.calls, "losses": losses,
     }
 
@@ -364,22 +379,25 @@ def report_md(report) -> str:
              f"commit {env.get('git_commit')}.", f"Command: `python benchmarks/train_throughput.py "
              f"{' '.join(meta['argv'])}`", "",
              "MFU: model FLOPs (6·P + causal attention + Gated DeltaNet, no credit for recomputation) over "
-             f"{meta['peak_tflops']} TFLOP/s. Shares: time inside the attention function / the gated delta rule, "
-             "forward (with recomputation) + backward, over step time.", "",
+             f"{meta['peak_tflops']} TFLOP/s. Shares: time inside the attention function / the gated delta rule / "
+             "the Gated DeltaNet short convolution, forward (with recomputation) + backward, and in gradient "
+             "clipping + the optimizer step, over step time; the rest is the matmuls, norms, activations and loss.",
+             "",
              "| setting | attn | fp8 linear | GDN | seq × batch × accum | ckpt | step ms | tokens/s | peak GiB | "
-             "TFLOP/s | MFU | attention share | GDN share |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TFLOP/s | MFU | attention share | GDN share | short conv share | optimizer share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         if r.get("status") != "ok":
             lines.append(f"| {r['setting']} | {r['attn']} | {r['fp8_linear']} | {r.get('status')}: "
-                         f"{r.get('reason', '')} |" + " |" * 9)
+                         f"{r.get('reason', '')} |" + " |" * 11)
             continue
         lines.append(
             f"| {r['setting']} | {r['attn']} | {r['fp8_linear']} | {r['gdn_backend']} | "
             f"{r['seq_len']} × {r['batch_size']} × {r['grad_accum']} | "
             f"{'yes' if r['gradient_checkpointing'] else 'no'} | {_fmt(r['step_ms'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_gib'], '.1f')}"
             f" | {_fmt(r['achieved_tflops'], '.1f')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['attention_share'], '.1%')} |"
-            f" {_fmt(r['gdn_share'], '.1%')} |")
+            f" {_fmt(r['gdn_share'], '.1%')} | {_fmt(r.get('short_conv_share'), '.1%')} |"
+            f" {_fmt(r.get('optimizer_share'), '.1%')} |")
     ok = [r for r in report["runs"] if r.get("status") == "ok"]
     if ok:
         r = ok[0]

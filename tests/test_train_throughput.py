@@ -138,6 +138,8 @@ def test_cpu_run_two_steps(tp, tmp_path):
     assert ok["tokens_per_step"] == 8 * 256 and ok["gdn_backend"] == gdn_backend()
     assert ok["attention_calls"] == 2  # one attention layer, 2 timed steps, no checkpointing
     assert 0 < ok["attention_share"] < 1 and 0 < ok["gdn_share"] < 1
+    assert 0 < ok["short_conv_share"] < 1 and 0 < ok["optimizer_share"] < 1
+    assert ok["attention_share"] + ok["gdn_share"] + ok["short_conv_share"] + ok["optimizer_share"] < 1
     assert all(torch.isfinite(torch.tensor(ok["losses"])))
     assert ok["mfu"] is None and ok["achieved_tflops"] > 0  # no peak known for a CPU
     assert "deltamatch_fp8" in js.with_suffix(".md").read_text()
