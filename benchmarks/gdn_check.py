@@ -364,8 +364,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.v_heads = args.v_heads or args.heads
-    if not {x.strip() for x in args.layouts.split(",") if x.strip()} <= {"dense", "packed"} or not args.layouts.strip():
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+    if not layouts or not set(layouts) <= {"dense", "packed"}:
         p.error(f"--layouts {args.layouts!r}: dense, packed or dense,packed")
+    args.layouts = layouts
     if args.v_heads % args.heads:
         p.error(f"--v-heads {args.v_heads} must be a multiple of --heads {args.heads}")
     return args
@@ -403,9 +405,8 @@ def main(argv=None) -> int:
         stem.with_suffix(".json").write_text(json.dumps(attention_bench._sanitize(report), indent=1))
         stem.with_suffix(".md").write_text(report_md(report))
 
-    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     for length in [int(x) for x in args.lengths.split(",") if x.strip()]:
-        for packed in [layout == "packed" for layout in layouts]:
+        for packed in [layout == "packed" for layout in args.layouts]:
             try:
                 report["correctness"].append(correctness_case(args, device, length, packed, fla, torch_fn, log))
             except Exception as exc:  # noqa: BLE001

@@ -181,22 +181,18 @@ def instrument(model, device):
     ALL_ATTENTION_FUNCTIONS[name] = attn.wrap(original, query_index=1)  # (module, query, key, value, mask, ...)
     undo = [lambda: ALL_ATTENTION_FUNCTIONS.__setitem__(name, original) if had_local
             else ALL_ATTENTION_FUNCTIONS._local_mapping.pop(name, None)]
-    gdn = conv = None
+    timers = {}
     layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     if layers:
         module = sys.modules[type(layers[0]).__module__]
-        for name, query_index in (("torch_chunk_gated_delta_rule", 0), ("causal_conv1d_fn", 0)):
+        for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):  # both take the query-like input first
             fn = getattr(module, name, None)
-            if fn is None:
-                continue
-            timer = SpanTimer(device)
-            setattr(module, name, timer.wrap(fn, query_index=query_index))
-            undo.append(lambda name=name, fn=fn: setattr(module, name, fn))
-            if name == "causal_conv1d_fn":
-                conv = timer
-            else:
-                gdn = timer
-    return attn, gdn, conv, lambda: [u() for u in undo]
+            if fn is not None:
+                timers[name] = SpanTimer(device)
+                setattr(module, name, timers[name].wrap(fn, query_index=0))
+                undo.append(lambda name=name, fn=fn: setattr(module, name, fn))
+    return (attn, timers.get("torch_chunk_gated_delta_rule"), timers.get("causal_conv1d_fn"),
+            lambda: [u() for u in undo])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -98,6 +98,9 @@ START=()
 [ -n "$INIT" ] && START=(--model "$INIT")
 
 # ---- the sweeps ----------------------------------------------------------------------------------------------
+wait_for_slot() {  # until fewer than PARALLEL background jobs run
+  while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 1; done
+}
 TOK=()
 FIRST_SEED=${SEEDS%%,*}
 if [ "$PARALLEL" -le 1 ]; then
@@ -114,33 +117,38 @@ else
   # One process per (mode, seed), PARALLEL at a time on the one GPU: a small model leaves it mostly idle, and the
   # runs' numerics do not depend on their speed. The first run trains the tokenizer (and fills the tokenized-data
   # cache) alone; every other run reuses both. Each run's output goes to runs/MODE/seed-N.log.
-  run_one() {  # mode seed
+  run_one() {  # mode seed: trains into runs/MODE/seed-N; its output in seed-N.log, its exit status in seed-N.rc
+    local dir="$OUT/runs/$1/seed-$2" rc=0
     # shellcheck disable=SC2046
     "$PY" recipes/pretrain.py "${COMMON[@]}" "${START[@]}" "${TOK[@]}" --attn deltamatch_fp8 $(mode_flags "$1") \
-      --seed "$2" --output_dir "$OUT/runs/$1/seed-$2" --run_name "$1-seed$2" > "$OUT/runs/$1/seed-$2.log" 2>&1
+      --seed "$2" --output_dir "$dir" --run_name "$1-seed$2" > "$dir.log" 2>&1 || rc=$?
+    echo "$rc" > "$dir.rc"
+    return "$rc"
   }
   PAIRS=()
   for mode in $MODES; do
     mkdir -p "$OUT/runs/$mode"
-    for seed in ${SEEDS//,/ }; do PAIRS+=("$mode:$seed"); done
+    for seed in ${SEEDS//,/ }; do PAIRS+=("$mode $seed"); done
   done
-  first=${PAIRS[0]}
-  stamp "run ${first%%:*} seed ${first#*:} (alone: tokenizer and data cache)"
-  run_one "${first%%:*}" "${first#*:}" || { tail -n 40 "$OUT/runs/${first%%:*}/seed-${first#*:}.log"; exit 1; }
-  [ -z "$INIT" ] && TOK=(--tokenizer "$OUT/runs/${first%%:*}/seed-${first#*:}/tokenizer")
+  read -r mode seed <<< "${PAIRS[0]}"
+  stamp "run $mode seed $seed (alone: tokenizer and data cache)"
+  run_one "$mode" "$seed" || { tail -n 40 "$OUT/runs/$mode/seed-$seed.log"; exit 1; }
+  [ -z "$INIT" ] && TOK=(--tokenizer "$OUT/runs/$mode/seed-$seed/tokenizer")
   stamp "the other $(( ${#PAIRS[@]} - 1 )) runs, $PARALLEL at a time"
   PIDS=()
   for pair in "${PAIRS[@]:1}"; do
-    while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 1; done
-    ( rc=0; run_one "${pair%%:*}" "${pair#*:}" || rc=$?; echo "$rc" > "$OUT/runs/${pair%%:*}/seed-${pair#*:}.rc" ) &
+    wait_for_slot
+    # shellcheck disable=SC2086  # "mode seed": two arguments
+    run_one $pair &
     PIDS+=($!)
   done
-  wait "${PIDS[@]}"  # (a bare `wait` would also wait for the log's tee)
+  wait "${PIDS[@]}" || true  # (a bare `wait` would also wait for the log's tee); each run's status is its .rc
   failed=0
   for pair in "${PAIRS[@]:1}"; do
-    if [ "$(cat "$OUT/runs/${pair%%:*}/seed-${pair#*:}.rc" 2>/dev/null)" != 0 ]; then
-      echo "error: run ${pair%%:*} seed ${pair#*:} failed; the end of its log:" >&2
-      tail -n 40 "$OUT/runs/${pair%%:*}/seed-${pair#*:}.log" >&2
+    read -r mode seed <<< "$pair"
+    if [ "$(cat "$OUT/runs/$mode/seed-$seed.rc" 2>/dev/null)" != 0 ]; then
+      echo "error: run $mode seed $seed failed; the end of its log:" >&2
+      tail -n 40 "$OUT/runs/$mode/seed-$seed.log" >&2
       failed=1
     fi
   done
@@ -169,7 +177,7 @@ for entry in "${FID_MODELS[@]}"; do
     fidelity_check "$entry" || { cat "$OUT/fidelity/${entry%%=*}.txt"; exit 1; }
     cat "$OUT/fidelity/${entry%%=*}.txt"
   else
-    while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 1; done
+    wait_for_slot
     fidelity_check "$entry" &
     PIDS+=($!)
   fi
