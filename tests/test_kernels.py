@@ -533,7 +533,9 @@ def test_gluon_case_and_why_not(monkeypatch):
     def why(**change):
         return KL._hopper_why_not(**{**base, **change})
 
-    assert not KL.HOPPER_RAGGED and "HOPPER_RAGGED" in why() and why(n=8192, m=8192) is None  # off until GPU-tested
+    assert KL.HOPPER_RAGGED  # on by default (GPU-tested: tests/test_kernels_gpu.py::test_hopper_ragged)
+    monkeypatch.setattr(KL, "HOPPER_RAGGED", False)
+    assert "HOPPER_RAGGED" in why() and why(n=8192, m=8192) is None
     monkeypatch.setattr(KL, "HOPPER_RAGGED", True)
 
     for n in (8000, 1000, 200, 129, 8192):

@@ -527,7 +527,8 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
       - against the Triton kernels on the same inputs: the forward within the dense Gluon forward's 1e-3 (LSE 1e-4),
         the saved tensors bit for bit, the backward and the returned delta within the packed test's 1e-3, all
         finite;
-      - against the reference backend (_compare: FP8_TOL, the Gluon tests' tolerance) and exact float64 attention:
+      - against the reference backend (_compare: FP8_TOL, the Gluon tests' tolerance; 2e-2 at N = 8000, below) and
+        exact float64 attention:
         there the FP8 quantization dominates (test_against_exact_attention measured 4.7e-2 on out, 5-6e-2 on the
         gradients at N = 2048), the same for both kernels, so the Gluon kernels' errors must stay within 5 % + 1e-3
         of the Triton kernels' (the two differ by < 1e-3, checked above; a masking fault adds tens of percent), and
@@ -575,7 +576,11 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
             assert eg <= 1.05 * et + 1e-3, exact
         assert exact["gluon"][0] < 1e-1 and max(exact["gluon"][1:]) < 2e-1, exact
     calls.clear()
-    _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=D, causal=causal)  # the Gluon path (its own saved tensors) vs the reference
+    # the default dispatch (launch.HOPPER_RAGGED on): the Gluon path (its own saved tensors) vs the reference. The
+    # dK/dV sums run over N queries through QGMMA's ~14-bit accumulation, so the kernels' distance to the fp32
+    # reference grows with N: dK 1.06e-2 at N = 8000 on the H200 (the Triton kernels on the reference's saved
+    # tensors; 6e-3 at N = 1000), hence 2e-2 there. Both stay 6.4e-2 from float64 (checked above).
+    _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=D, causal=causal, tol=2e-2 if N > 4096 else None)
     assert [c for c, _ in calls].count("dkdv_hopper") == 1, calls  # the reference's saved q8..: not padded, Triton
 
 

@@ -182,8 +182,8 @@ def test_quantization_pass_with_the_outlier_transforms_compiles_for_sm90():
 def test_hash_records_the_default_launches():
     """--hash's launch recorder (record_launches) catches what ops.forward / ops.backward launch, without a GPU:
     the Gluon kernels for their case (D=128, N = 8192, fp8, on the H200's sm_90 with Triton 3.6), the Triton dQ
-    kernel for the stale delta there, at N = 8000 the Triton kernels by default and with TUNE["hopper_ragged"] the
-    Gluon kernels' packed variant (VARLEN), causal and full, with the Triton backward there for the stale delta (the
+    kernel for the stale delta there, at N = 8000 the Gluon kernels' packed variant (VARLEN) by default and the Triton
+    kernels with TUNE["hopper_ragged"] off, causal and full, with the Triton backward there for the stale delta (the
     padded layout: both Gluon kernels or neither), the Triton kernels
     in bf16, and dK/dV in two launches at D=256; with the constexprs the kernels get."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -192,7 +192,7 @@ def test_hash_records_the_default_launches():
             "from hf_deltamatch.kernels import launch\n"
             "cases = S.default_cases()\n"
             "for ragged in (False, True):\n"
-            "    launch.TUNE.update(hopper_ragged=True) if ragged else launch.TUNE.clear()\n"
+            "    launch.TUNE.clear() if ragged else launch.TUNE.update(hopper_ragged=False)\n"
             "    for name in ('d128-causal-h4:4-n8192-fp8-matching', 'd128-causal-h4:4-n8192-fp8-stale',\n"
             "                 'd128-full-h16:4-n8000-fp8-matching', 'd64-causal-h4:4-n8000-bf16-matching',\n"
             "                 'd256-causal-fp8', 'd128-causal-h16:4-n8000-fp8-matching',\n"
@@ -212,8 +212,8 @@ def test_hash_records_the_default_launches():
     assert got["d64-causal-h4:4-n8000-bf16-matching"] == str([("fwd", None, False, False), ("dq", None, False, False),
                                                              ("dkdv", 0, False, False)])
     assert got["d256-causal-fp8"] == str([*triton_fp8[:2], ("dkdv", 1, True, False), ("dkdv", 2, True, False)])
-    # N = 8000: the Triton kernels by default (launch.HOPPER_RAGGED off until GPU-tested), the Gluon kernels' packed
-    # variant with TUNE["hopper_ragged"]; everything else the same either way
+    # N = 8000: the Gluon kernels' packed variant by default (launch.HOPPER_RAGGED), the Triton kernels with
+    # TUNE["hopper_ragged"] off; everything else the same either way
     for name in ("d128-full-h16:4-n8000-fp8-matching", "d128-causal-h16:4-n8000-fp8-matching"):
         assert got[name] == str(triton_fp8) and got["ragged:" + name] == str(gluon_padded)
     assert got["d64-causal-h4:4-n8000-fp8-stale"] == str(triton_fp8)

@@ -97,7 +97,7 @@ def plot_attn_stats(runs: list[dict], out: Path, x: str = "step"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(ATTN_PANELS), 1, figsize=(8, 8), sharex=True)
+    fig, axes = plt.subplots(len(ATTN_PANELS), 1, figsize=(10, 8), sharex=True)
     styles = ("-", "--", ":", "-.")
     for i, run in enumerate(runs):
         layers = sorted({r["layer"] for r in run["attn"]})
@@ -105,16 +105,19 @@ def plot_attn_stats(runs: list[dict], out: Path, x: str = "step"):
             recs = [r for r in run["attn"] if r["layer"] == layer]
             for ax, (key, _, _) in zip(axes, ATTN_PANELS):
                 pts = [(r[x], r[key]) for r in recs if r.get(key) is not None]
+                # one legend entry per run (its colour); layers differ by line style, named in the title
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[j % len(styles)], color=f"C{i}", lw=1.2,
-                        marker="o", ms=2.5, label=f"{run['name']} L{layer}")
+                        marker="o", ms=2.5, label=run["name"] if j == 0 else None)
     for ax, (_, label, scale) in zip(axes, ATTN_PANELS):
         ax.set_ylabel(label, fontsize=9)
         ax.set_yscale(scale)
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=7, ncol=2)
+    # outside the panels: with many runs an inside legend hides the curves
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     axes[-1].set_xlabel("tokens" if x == "tokens" else "optimizer step")
     bad = sum(r.get("nonfinite", 0) for run in runs for r in run["attn"])
-    axes[0].set_title(f"attention per layer (one head per sample); non-finite entries seen: {bad}")
+    axes[0].set_title(f"attention per layer (line style: layer, {' '.join(styles)} repeating; one head per "
+                      f"sample); non-finite entries seen: {bad}", fontsize=9)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
