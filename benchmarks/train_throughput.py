@@ -5,7 +5,7 @@ Builds the model of a recipe config with hf_deltamatch.training (random init, as
 random tokens in the recipe's packed layout (PackedCollator: one row of batch x seq_len tokens with
 cu_seq_lens; no data needed), and runs W warm-up + S timed optimizer steps exactly as the recipe's loop does:
 bf16 autocast over fp32 master weights, grad_accum micro-batches, clipping, AdamW, gradient checkpointing and
-the chunked loss as the config sets them. Each configuration (setting x --attn x --fp8-linear) runs in a fresh
+the chunked loss as the config sets them. Each configuration (setting x --attn x --linears) runs in a fresh
 subprocess. Settings:
   8k   recipes/configs/hybrid-1p7b.yaml as is (8K tokens per sequence)
   64k  hybrid-1p7b's model with extend-64k.yaml's 64K settings (seq_len 65536, batch 1, RoPE base 1e6,
@@ -27,7 +27,7 @@ the gradient hook on its output to the gradient hook on its query; the same for 
 (chunk_gated_delta_rule, FLA or torch). Which Gated DeltaNet backend ran is recorded.
 
   python benchmarks/train_throughput.py --out /tmp/tp                               # 8k and 64k, three attns
-  python benchmarks/train_throughput.py --settings 64k --attn deltamatch_fp8 --fp8-linear --out /tmp/tp
+  python benchmarks/train_throughput.py --settings 64k --attn deltamatch_fp8 --linears bf16,fp8,fp8-compiled --out /tmp/tp
   python benchmarks/train_throughput.py --settings recipes/configs/tiny-cpu.yaml --device cpu --steps 2 \\
       --warmup 1 --attn deltamatch_fp8,sdpa --out /tmp/tp                          # CPU smoke test
 Extra arguments after `--` go to the recipe's config parser (e.g. `-- --grad_accum 1 --batch_size 1`).
@@ -200,11 +200,14 @@ def instrument(model, device):
 # ----------------------------------------------------------------------------------------------------
 
 
-def recipe_config(setting: str, attn: str, fp8_linear: bool, extra: list[str]):
+LINEARS = {"bf16": [], "fp8": ["--fp8_linear"], "fp8-compiled": ["--fp8_linear", "--compile_fp8_linear"]}
+
+
+def recipe_config(setting: str, attn: str, linears: str, extra: list[str]):
     from hf_deltamatch.training.config import load_config_file, parse_config
 
     base, extension = SETTINGS.get(setting, (Path(setting), None))
-    argv = ["--config", str(base), "--attn", attn] + (["--fp8_linear"] if fp8_linear else [])
+    argv = ["--config", str(base), "--attn", attn] + LINEARS[linears]
     if extension is not None:
         ext = load_config_file(extension)
         for key in EXTENSION_KEYS:
@@ -246,7 +249,7 @@ def run_one(spec: dict) -> dict:
     from hf_deltamatch.training.optim import build_optimizers
 
     device = torch.device(spec["device"])
-    cfg = recipe_config(spec["setting"], spec["attn"], spec["fp8_linear"], spec["extra"])
+    cfg = recipe_config(spec["setting"], spec["attn"], spec["linears"], spec["extra"])
     if device.type == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
     torch.manual_seed(cfg.seed)
@@ -314,7 +317,7 @@ def run_one(spec: dict) -> dict:
     achieved = flops["total"] * spec["steps"] / (total_ms / 1e3) / 1e12
     n_attn, n_gdn = layer_counts(lm.config)
     return {
-        "setting": spec["setting"], "attn": spec["attn"], "fp8_linear": spec["fp8_linear"],
+        "setting": spec["setting"], "attn": spec["attn"], "linears": spec["linears"],
         "attn_implementation": lm.config._attn_implementation,
         "gdn_backend": gdn_backend() if n_gdn else None,
         "precision": cfg.precision if cfg.attn == "deltamatch_fp8" else None,
@@ -353,13 +356,13 @@ def _peak_tflops(device, given):
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def skip_reason(attn: str, fp8_linear: bool, device) -> str | None:
+def skip_reason(attn: str, linears: str, device) -> str | None:
     if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         return "flash_attention_2 needs the flash-attn package, which is not installed"
     if attn == "flash_attention_2" and device.type != "cuda":
         return "flash_attention_2 needs a CUDA GPU"
-    if fp8_linear and importlib.util.find_spec("torchao") is None:
-        return "--fp8-linear needs torchao, which is not installed"
+    if linears != "bf16" and importlib.util.find_spec("torchao") is None:
+        return f"--linears {linears} needs torchao, which is not installed"
     return None
 
 
@@ -379,16 +382,16 @@ def report_md(report) -> str:
              "the Gated DeltaNet short convolution, forward (with recomputation) + backward, and in gradient "
              "clipping + the optimizer step, over step time; the rest is the matmuls, norms, activations and loss.",
              "",
-             "| setting | attn | fp8 linear | GDN | seq × batch × accum | ckpt | step ms | tokens/s | peak GiB | "
+             "| setting | attn | linears | GDN | seq × batch × accum | ckpt | step ms | tokens/s | peak GiB | "
              "TFLOP/s | MFU | attention share | GDN share | short conv share | optimizer share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         if r.get("status") != "ok":
-            lines.append(f"| {r['setting']} | {r['attn']} | {r['fp8_linear']} | {r.get('status')}: "
+            lines.append(f"| {r['setting']} | {r['attn']} | {r['linears']} | {r.get('status')}: "
                          f"{r.get('reason', '')} |" + " |" * 11)
             continue
         lines.append(
-            f"| {r['setting']} | {r['attn']} | {r['fp8_linear']} | {r['gdn_backend']} | "
+            f"| {r['setting']} | {r['attn']} | {r['linears']} | {r['gdn_backend']} | "
             f"{r['seq_len']} × {r['batch_size']} × {r['grad_accum']} | "
             f"{'yes' if r['gradient_checkpointing'] else 'no'} | {_fmt(r['step_ms'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_gib'], '.1f')}"
             f" | {_fmt(r['achieved_tflops'], '.1f')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['attention_share'], '.1%')} |"
@@ -413,7 +416,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--settings", default="8k,64k", help="8k, 64k, or recipe YAML paths, comma-separated")
     p.add_argument("--attn", default="deltamatch_fp8,sdpa,flash_attention_2")
-    p.add_argument("--fp8-linear", action="store_true", help="also run each configuration with torchao FP8 linears")
+    p.add_argument("--linears", default="bf16",
+                   help=f"comma-separated, each a configuration: {', '.join(LINEARS)} (torchao float8; -compiled: "
+                        "under torch.compile, the recipe's --compile_fp8_linear)")
+    p.add_argument("--fp8-linear", action="store_true", help="shorthand for --linears bf16,fp8")
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps before timing")
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
     p.add_argument("--docs-per-row", type=int, default=1, help="equal documents per packed sequence")
@@ -424,6 +430,10 @@ def parse_args(argv=None):
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run one JSON spec, write the result there
     args = p.parse_args(argv)
     args.extra = extra
+    args.linears = [x.strip() for x in ("bf16,fp8" if args.fp8_linear else args.linears).split(",") if x.strip()]
+    unknown = [x for x in args.linears if x not in LINEARS]
+    if unknown or not args.linears:
+        p.error(f"--linears {','.join(unknown) or '(empty)'}: choose from {', '.join(LINEARS)}")
     return args
 
 
@@ -460,14 +470,14 @@ def main(argv=None) -> int:
 
     for setting in [s.strip() for s in args.settings.split(",") if s.strip()]:
         for attn in [a.strip() for a in args.attn.split(",") if a.strip()]:
-            for fp8 in ([False, True] if args.fp8_linear else [False]):
-                row = {"setting": setting, "attn": attn, "fp8_linear": fp8}
-                reason = skip_reason(attn, fp8, device)
+            for linears in args.linears:
+                row = {"setting": setting, "attn": attn, "linears": linears}
+                reason = skip_reason(attn, linears, device)
                 if reason:
                     report["runs"].append({**row, "status": "skipped", "reason": reason})
                     write()
                     continue
-                print(f"[train_throughput] {setting} {attn} fp8_linear={fp8}", file=sys.stderr, flush=True)
+                print(f"[train_throughput] {setting} {attn} linears={linears}", file=sys.stderr, flush=True)
                 with tempfile.TemporaryDirectory() as tmp:
                     spec = {**row, "device": args.device, "warmup": args.warmup, "steps": args.steps,
                             "docs_per_row": args.docs_per_row, "extra": args.extra, "peak_tflops": peak,

@@ -359,6 +359,45 @@ def test_fp8_linear_layers_train(corpus, tmp_path):
     assert fp8 and all("lm_head" not in n for n in fp8) and any("lm_head" in n for n in plain), (fp8, plain)
 
 
+@pytest.mark.slow
+def test_compiled_fp8_linears_match_eager():
+    """--compile_fp8_linear: each float8 linear under torch.compile (torchao fuses its scaling and casts only there)
+    computes what the eager float8 linear does: the same loss and gradients (the same casts and GEMMs, fused; 1e-6
+    allows a reordered fp32 reduction), and dynamo's recompile limit leaves room for a model's distinct shapes."""
+    pytest.importorskip("torchao.float8")
+    import torch._dynamo
+    from torchao.float8.float8_linear import Float8Linear
+
+    from hf_deltamatch.training.modeling import FP8_LINEAR_RECOMPILE_LIMIT, convert_linear_to_fp8
+
+    def run(compile):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+        convert_linear_to_fp8(model, compile=compile)
+        assert sum(isinstance(m, Float8Linear) for m in model.modules()) == 2
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        (l_eager, g_eager), (l_comp, g_comp) = run(False), run(True)
+        assert torch._dynamo.config.recompile_limit >= FP8_LINEAR_RECOMPILE_LIMIT
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()
+    assert torch.allclose(l_eager, l_comp, rtol=1e-6, atol=0)
+    for a, b in zip(g_eager, g_comp):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+def test_compile_fp8_linear_needs_fp8_linear(corpus, tmp_path):
+    with pytest.raises(ConfigError, match="--compile_fp8_linear compiles the float8 linears of --fp8_linear"):
+        parse_config(to_argv(tiny_args(tmp_path, corpus, compile_fp8_linear=True)))
+
+
 def test_fp8_linear_without_torchao_fails_fast(corpus, tmp_path, monkeypatch):
     import importlib.util
 

@@ -74,7 +74,7 @@ def test_dense_flops_match_torch_flop_counter(tp):
 
     from hf_deltamatch.training.modeling import CausalLMWithLoss, build_model, causal_lm
 
-    cfg = tp.recipe_config(TINY, "sdpa", False, ["--batch_size", "2", "--seq_len", "128"])
+    cfg = tp.recipe_config(TINY, "sdpa", "bf16", ["--batch_size", "2", "--seq_len", "128"])
     tokenizer = tp.random_token_tokenizer(cfg.vocab_size)
     model = build_model(cfg, tokenizer)
     batch, doc_lens = tp.random_batch(cfg, len(tokenizer), 1, 0, torch.device("cpu"))
@@ -115,11 +115,19 @@ def test_span_timer_forward_recompute_backward(tp):
 
 
 def test_recipe_config_64k_settings(tp):
-    cfg = tp.recipe_config("64k", "sdpa", False, [])
+    cfg = tp.recipe_config("64k", "sdpa", "bf16", [])
     assert (cfg.seq_len, cfg.batch_size, cfg.gradient_checkpointing, cfg.loss_chunk) == (65536, 1, True, 8192)
     assert cfg.rope_theta == 1e6 and cfg.model is None and cfg.model_config["hidden_size"] == 2048
-    cfg8 = tp.recipe_config("8k", "deltamatch_fp8", False, ["--grad_accum", "1"])
+    cfg8 = tp.recipe_config("8k", "deltamatch_fp8", "fp8-compiled", ["--grad_accum", "1"])
     assert (cfg8.seq_len, cfg8.batch_size, cfg8.grad_accum) == (8192, 2, 1)
+    assert cfg8.fp8_linear and cfg8.compile_fp8_linear and not cfg.fp8_linear
+
+
+def test_linears_option(tp):
+    assert tp.parse_args(["--linears", "bf16,fp8-compiled"]).linears == ["bf16", "fp8-compiled"]
+    assert tp.parse_args(["--fp8-linear"]).linears == ["bf16", "fp8"]
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--linears", "fp4"])
 
 
 def test_cpu_run_two_steps(tp, tmp_path):

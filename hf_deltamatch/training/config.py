@@ -50,6 +50,7 @@ class TrainConfig:
     precision: str = "fp8"  # deltamatch_fp8 only: fp8 | bf16 | fp8_fwd | fp8_bwd (ablations: modeling.SPLIT_PRECISION)
     delta: str = "matching"  # deltamatch_fp8 only: matching | stale
     fp8_linear: bool = False  # torchao float8 training for nn.Linear (FP8 tensor cores on H100/H200; CPU emulates)
+    compile_fp8_linear: bool = False  # torch.compile each float8 linear (torchao fuses its casts only when compiled)
     gradient_checkpointing: bool = False
     loss_chunk: int = 0  # >0: cross-entropy over chunks of this many tokens, logits recomputed in backward
     rope_theta: float | None = None  # override (context extension)
@@ -282,6 +283,8 @@ def validate(cfg: TrainConfig) -> None:
                            "--data_format hub when online.")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
         err.append(f"--resume {cfg.resume!r} is not a checkpoint directory (use 'auto' for the latest in output_dir).")
+    if cfg.compile_fp8_linear and not cfg.fp8_linear:
+        err.append("--compile_fp8_linear compiles the float8 linears of --fp8_linear: pass both, or neither.")
     if cfg.fp8_linear:
         import importlib.util
 
