@@ -13,8 +13,9 @@
 #   fp8-bwd-stale --precision fp8_bwd --delta stale          ablation: bf16 forward, fp8 backward, stale delta
 # then `hf-deltamatch check --model --qk-transforms` on each mode's seed-0 final model (and on the warm-start checkpoint;
 # with the outlier transforms: do they help on trained q and k?), and
-# OUT_DIR/results.md: final validation CE mean ± std per mode, the gap to bf16 and whether it exceeds bf16's seed
-# range (hf_deltamatch/training/sweep.py), the fidelity summary, loss.png and loss_attn.png (seed 0 of each mode).
+# OUT_DIR/results.md: final validation CE mean ± std per mode (or at eval step STEP), the gap to bf16, whether it
+# exceeds bf16's seed range, and the paired per-seed gaps (hf_deltamatch/training/sweep.py), the fidelity summary,
+# loss.png and loss_attn.png (seed 0 of each mode).
 #
 # Where the stale failure lives (peaked attention, sinks) a small model reaches only after long training, so:
 # WARM_STEPS=N first trains bf16 (seed 0) for N steps with the monitor on (loss_attn.png of runs/warm shows when
@@ -26,7 +27,12 @@
 # delta's effect), ATTN_STATS (25), WARM_STEPS (0), INIT, FID_SEQ (2048 tokens x 2 sequences for the fidelity
 # check; FID_DATA: its text, default the offline corpus), PYTHON, EXTRA (more recipe flags for every run),
 # SMOKE=1 (a tiny CPU rehearsal of this script), PARALLEL (1: each mode's seeds one after another in one process;
-# N > 1: every (mode, seed) run in its own process, N at a time on the one GPU).
+# N > 1: every (mode, seed) run in its own process, N at a time on the one GPU), RUN_GIB (16: GPU memory per run
+# process; dense-small took ~14 GiB each on the H200: PARALLEL is capped at free GPU memory // RUN_GIB), STEP
+# (unset: compare final validation CE; N: compare at eval step N, e.g. when time-limited runs stopped early).
+# With PARALLEL > 1, PYTORCH_CUDA_ALLOC_CONF defaults to expandable_segments:True (less memory reserved and unused
+# per process), and a run that died of torch.OutOfMemoryError is re-run once, alone, after the others (its first
+# log kept as seed-N.oom.log); only a run that fails again fails the study.
 # On the H200, dense-small at 2 x 8K tokens per step ran ~150K tokens/s alone: ~1.5 minutes per 600-step run with
 # start-up, so the default 5 modes x 3 seeds take about 25-30 minutes with PARALLEL=1.
 set -euo pipefail
@@ -47,6 +53,8 @@ INIT=${INIT:-}
 EXTRA=${EXTRA:-}
 SMOKE=${SMOKE:-0}
 PARALLEL=${PARALLEL:-1}
+RUN_GIB=${RUN_GIB:-16}
+STEP=${STEP:-}
 FID_SEQ=${FID_SEQ:-$([ "$SMOKE" = 1 ] && echo 128 || echo 2048)}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -117,6 +125,7 @@ else
   # One process per (mode, seed), PARALLEL at a time on the one GPU: a small model leaves it mostly idle, and the
   # runs' numerics do not depend on their speed. The first run trains the tokenizer (and fills the tokenized-data
   # cache) alone; every other run reuses both. Each run's output goes to runs/MODE/seed-N.log.
+  export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
   run_one() {  # mode seed: trains into runs/MODE/seed-N; its output in seed-N.log, its exit status in seed-N.rc
     local dir="$OUT/runs/$1/seed-$2" rc=0
     # shellcheck disable=SC2046
@@ -134,6 +143,15 @@ else
   stamp "run $mode seed $seed (alone: tokenizer and data cache)"
   run_one "$mode" "$seed" || { tail -n 40 "$OUT/runs/$mode/seed-$seed.log"; exit 1; }
   [ -z "$INIT" ] && TOK=(--tokenizer "$OUT/runs/$mode/seed-$seed/tokenizer")
+  # as many runs as the free GPU memory holds (more die of OOM in their first steps); no cap without CUDA
+  FREE_GIB=$("$PY" -c 'import torch; c = torch.cuda; print(c.mem_get_info()[0] // 2**30 if c.is_available() else "")')
+  if [ -n "$FREE_GIB" ]; then
+    CAP=$(( FREE_GIB / RUN_GIB ))
+    [ "$CAP" -ge 1 ] || CAP=1
+    [ "$CAP" -lt "$PARALLEL" ] || CAP=$PARALLEL
+    stamp "GPU memory: $FREE_GIB GiB free, $RUN_GIB GiB per run (RUN_GIB): PARALLEL $PARALLEL -> $CAP"
+    PARALLEL=$CAP
+  fi
   stamp "the other $(( ${#PAIRS[@]} - 1 )) runs, $PARALLEL at a time"
   PIDS=()
   for pair in "${PAIRS[@]:1}"; do
@@ -143,6 +161,15 @@ else
     PIDS+=($!)
   done
   wait "${PIDS[@]}" || true  # (a bare `wait` would also wait for the log's tee); each run's status is its .rc
+  for pair in "${PAIRS[@]:1}"; do  # runs that other runs' memory starved: once more, alone
+    read -r mode seed <<< "$pair"
+    log="$OUT/runs/$mode/seed-$seed.log"
+    if [ "$(cat "$OUT/runs/$mode/seed-$seed.rc" 2>/dev/null)" != 0 ] && grep -q "OutOfMemoryError" "$log"; then
+      mv "$log" "$OUT/runs/$mode/seed-$seed.oom.log"
+      stamp "run $mode seed $seed ran out of GPU memory: again, alone"
+      run_one "$mode" "$seed" || true
+    fi
+  done
   failed=0
   for pair in "${PAIRS[@]:1}"; do
     read -r mode seed <<< "$pair"
@@ -196,7 +223,10 @@ SWEEPS=()
 for mode in $MODES; do SWEEPS+=("$OUT/runs/$mode"); done
 BASE=bf16
 case " $MODES " in *" bf16 "*) ;; *) BASE=${MODES%% *} ;; esac
-"$PY" -m hf_deltamatch.training.sweep "${SWEEPS[@]}" --baseline "$BASE" --table "$OUT/table.md" --json "$OUT/table.json"
+AT=() WHICH="Final validation CE"
+[ -n "$STEP" ] && AT=(--step "$STEP") WHICH="Validation CE at step $STEP"
+"$PY" -m hf_deltamatch.training.sweep "${SWEEPS[@]}" --baseline "$BASE" "${AT[@]}" --table "$OUT/table.md" \
+  --json "$OUT/table.json"
 SEED0=()
 for mode in $MODES; do SEED0+=("$OUT/runs/$mode/seed-$FIRST_SEED"); done
 [ -d "$OUT/runs/warm" ] && SEED0=("$OUT/runs/warm" "${SEED0[@]}")
@@ -229,7 +259,7 @@ PYEOF
   echo "config: $CFG  steps: $STEPS  seeds: $SEEDS  modes: $MODES  warm start: ${INIT:-none}  git: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo '```'
   echo
-  echo "## Final validation CE per mode, against the $BASE seed range"
+  echo "## $WHICH per mode, against the $BASE seed range"
   echo
   cat "$OUT/table.md"
   echo

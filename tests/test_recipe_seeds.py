@@ -79,3 +79,73 @@ def test_bad_seeds_fail_fast(corpus, tmp_path):
     assert main([*to_argv(tiny_args(tmp_path, corpus)), "--seeds", "0,0"]) == 2
     with pytest.raises(ValueError, match="distinct non-negative"):
         sweep.parse_seeds("a,b")
+
+
+def _fake_sweep(root, runs: dict[int, dict[int, float]], stopped_at: dict[int, int] | None = None):
+    """seed -> {eval step: val CE}: seed-N/metrics.jsonl (train and attn lines among the evals) and summary.json
+    (steps = the last eval step unless `stopped_at` says otherwise; final CE = the last eval's)."""
+    for seed, evals in runs.items():
+        d = root / f"seed-{seed}"
+        d.mkdir(parents=True)
+        lines = []
+        for step, val in evals.items():
+            lines.append({"kind": "train", "step": step, "tokens": 100 * step, "loss": val + 0.5})
+            lines.append({"kind": "attn", "step": step, "layer": 0, "sink_mass": 0.1})
+            lines.append({"kind": "eval", "step": step, "tokens": 100 * step, "val_loss": val})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        last = max(evals)
+        steps = (stopped_at or {}).get(seed, last)
+        (d / "summary.json").write_text(json.dumps({"name": f"{root.name}-seed{seed}", "steps": steps,
+                                                    "final_val_loss": evals[last]}))
+    return root
+
+
+def test_sweep_at_a_common_step_and_paired_gaps(tmp_path):
+    """--step reads metrics.jsonl at that step; the paired gaps are per-seed differences on the shared seeds."""
+    base = _fake_sweep(tmp_path / "bf16", {0: {100: 6.0, 200: 5.5, 300: 5.25, 400: 5.0},
+                                           1: {100: 6.5, 200: 5.75, 300: 5.5, 400: 5.25},
+                                           2: {100: 6.25, 200: 5.5, 300: 5.0}})  # stopped at 352, last eval 300
+    (base / "seed-2" / "summary.json").write_text(json.dumps({"steps": 352, "final_val_loss": 4.9}))
+    fp8 = _fake_sweep(tmp_path / "fp8", {0: {100: 6.25, 200: 5.75, 300: 5.5, 400: 5.125},
+                                         2: {100: 6.5, 200: 5.75, 300: 5.125, 400: 4.75},
+                                         3: {100: 7.0, 200: 6.0, 300: 6.0, 400: 5.5}})  # seed 3: no bf16 partner
+
+    at300 = [sweep.read_sweep(base, step=300), sweep.read_sweep(fp8, step=300)]
+    assert at300[0].values == [5.25, 5.5, 5.0] and at300[1].values == [5.5, 5.125, 6.0]
+    b, f = sweep.compare(at300, "bf16")
+    assert b["step"] == 300 and b["paired_gaps"] is None and b["paired_mean"] is None
+    assert f["paired_seeds"] == [0, 2] and f["paired_gaps"] == [0.25, 0.125]  # 5.5-5.25, 5.125-5.0 (exact in binary)
+    assert f["paired_mean"] == 0.1875 and f["paired_std"] == pytest.approx(0.125 / 2 ** 0.5, rel=1e-12)
+    assert f["gap"] == pytest.approx((5.5 + 5.125 + 6.0) / 3 - (5.25 + 5.5 + 5.0) / 3, rel=1e-12)
+    assert f["beyond_floor"] == (abs(f["gap"]) > 0.5)  # bf16's range at step 300: 5.5 - 5.0
+
+    table, js = tmp_path / "t300.md", tmp_path / "t300.json"
+    assert sweep.main([str(base), str(fp8), "--step", "300", "--table", str(table), "--json", str(js)]) == 0
+    text = table.read_text()
+    assert "val CE at step 300 per seed" in text and "validation CE at eval step 300" in text
+    assert "| 0: +0.2500, 2: +0.1250 | +0.1875 ± 0.0884 |" in text
+    assert "stopped at different steps" not in text
+    assert json.loads(js.read_text())[1]["paired_gaps"] == [0.25, 0.125]
+
+    # the final values come from runs that stopped at 352 and 400: a note, and the largest step all evaluated
+    final = tmp_path / "final.md"
+    assert sweep.main([str(base), str(fp8), "--table", str(final)]) == 0
+    text = final.read_text()
+    assert "final val CE per seed" in text and "| 5.0000, 5.2500, 4.9000 |" in text
+    assert "stopped at different steps (352, 400)" in text and "--step 300," in text
+    rows = sweep.compare([sweep.read_sweep(base), sweep.read_sweep(fp8)], "bf16")
+    assert rows[1]["paired_gaps"] == [5.125 - 5.0, 4.75 - 4.9] and rows[0]["stopped_at"] == [400, 400, 352]
+
+
+def test_sweep_step_errors(tmp_path, capsys):
+    base = _fake_sweep(tmp_path / "bf16", {0: {100: 6.0, 200: 5.5}, 1: {100: 6.5, 150: 6.0}})
+    with pytest.raises(ValueError, match=r"seed-1: no validation CE at step 200 .* eval steps: \[100, 150\]"):
+        sweep.read_sweep(base, step=200)
+    assert sweep.main([str(base), "--step", "200"]) == 2
+    assert "seed-1" in capsys.readouterr().err
+    # without a step every run evaluated, the note says so instead of suggesting one
+    other = _fake_sweep(tmp_path / "fp8", {0: {50: 6.1}})
+    assert sweep.common_eval_step([sweep.read_sweep(base), sweep.read_sweep(other)]) is None
+    assert sweep.common_eval_step([sweep.read_sweep(base)]) == 100
+    rows = sweep.compare([sweep.read_sweep(base), sweep.read_sweep(other)], "bf16")
+    assert "no step was evaluated by every run" in sweep.table_markdown(rows, "bf16", None)
