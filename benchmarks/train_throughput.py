@@ -26,7 +26,7 @@ The attention share is measured with CUDA events (wall clock on CPU) around the 
 the gradient hook on its output to the gradient hook on its query; the same for the Gated DeltaNet core
 (chunk_gated_delta_rule, FLA or torch). Which Gated DeltaNet backend ran is recorded.
 
-  python benchmarks/train_throughput.py --out /tmp/tp                               # 8k and 64k, three attns
+  python benchmarks/train_throughput.py --out /tmp/tp                               # 8k and 64k, every attn
   python benchmarks/train_throughput.py --settings 64k --attn deltamatch_fp8 --linears bf16,fp8,fp8-compiled --out /tmp/tp
   python benchmarks/train_throughput.py --settings recipes/configs/tiny-cpu.yaml --device cpu --steps 2 \\
       --warmup 1 --attn deltamatch_fp8,sdpa --out /tmp/tp                          # CPU smoke test
@@ -53,6 +53,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(_p))
 
 import torch  # noqa: E402
+import varlen_attention  # noqa: E402  (benchmarks/: the packed baseline, torch_varlen)
 
 SETTINGS = {
     "8k": (ROOT / "recipes/configs/hybrid-1p7b.yaml", None),
@@ -249,6 +250,8 @@ def run_one(spec: dict) -> dict:
     from hf_deltamatch.training.optim import build_optimizers
 
     device = torch.device(spec["device"])
+    if spec["attn"] == varlen_attention.NAME:
+        varlen_attention.register()
     cfg = recipe_config(spec["setting"], spec["attn"], spec["linears"], spec["extra"])
     if device.type == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
@@ -357,6 +360,10 @@ def _peak_tflops(device, given):
 
 
 def skip_reason(attn: str, linears: str, device) -> str | None:
+    if attn == varlen_attention.NAME and device.type != "cuda":
+        return f"{attn} (FlashAttention-2 through torch) needs a CUDA GPU"
+    if attn == varlen_attention.NAME and importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return f"{attn} needs torch.nn.attention.varlen (torch >= 2.10)"
     if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         return "flash_attention_2 needs the flash-attn package, which is not installed"
     if attn == "flash_attention_2" and device.type != "cuda":
@@ -415,7 +422,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--settings", default="8k,64k", help="8k, 64k, or recipe YAML paths, comma-separated")
-    p.add_argument("--attn", default="deltamatch_fp8,sdpa,flash_attention_2")
+    p.add_argument("--attn", default=f"deltamatch_fp8,sdpa,{varlen_attention.NAME},flash_attention_2",
+                   help=f"attention implementations; {varlen_attention.NAME}: FlashAttention-2 varlen through torch "
+                        "(benchmarks/varlen_attention.py), the packed rows' fair baseline")
     p.add_argument("--linears", default="bf16",
                    help=f"comma-separated, each a configuration: {', '.join(LINEARS)} (torchao float8; -compiled: "
                         "under torch.compile, the recipe's --compile_fp8_linear)")

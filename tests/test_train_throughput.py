@@ -165,3 +165,95 @@ def test_hybrid_1p7b_step_fits_and_runs(tp, tmp_path, setting):
     assert rc == 0 and run["status"] == "ok", run
     assert run["peak_memory_gib"] < 139 and run["tokens_per_s"] > 0 and run["mfu"] > 0
     assert 0 < run["attention_share"] < 1
+
+
+# --- torch_varlen: the packed rows' baseline (benchmarks/varlen_attention.py) ---------------------------------
+
+@pytest.fixture
+def varlen():
+    import varlen_attention  # benchmarks/ is on sys.path once the tp fixture's script is imported
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    had = varlen_attention.NAME in AttentionInterface._global_mapping
+    varlen_attention.register()
+    yield varlen_attention
+    if not had:
+        AttentionInterface._global_mapping.pop(varlen_attention.NAME, None)
+        AttentionMaskInterface._global_mapping.pop(varlen_attention.NAME, None)
+
+
+def test_varlen_baseline_registers_and_refuses_what_it_cannot_run(tp, varlen):
+    """Registered, the recipes' config accepts it (an unregistered name stays an error); it refuses a padding mask,
+    dropout, sinks and a CPU device with a message saying what to do; on CPU train_throughput skips it."""
+    from hf_deltamatch.training.config import ConfigError
+
+    cfg = tp.recipe_config(TINY, varlen.NAME, "bf16", [])
+    assert cfg.attn == varlen.NAME
+    with pytest.raises(ConfigError, match="register your own"):
+        tp.recipe_config(TINY, "no_such_attention", "bf16", [])
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(1, 4, 16, 32)
+    kv = torch.randn(1, 2, 16, 32)
+    with pytest.raises(ValueError, match="pack the batch"):
+        varlen.varlen_attention_forward(module, q, kv, kv, torch.ones(1, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sinks"):
+        varlen.varlen_attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="CUDA"):
+        varlen.varlen_attention_forward(module, q, kv, kv, None)
+    module.training = True
+    with pytest.raises(ValueError, match="dropout"):
+        varlen.varlen_attention_forward(module, q, kv, kv, None, dropout=0.1)
+    assert "CUDA" in tp.skip_reason(varlen.NAME, "bf16", torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_varlen_baseline_equals_sdpa_per_document(varlen):
+    """On a packed row of three documents (GQA 8/2, D=128, causal), from cu_seq_lens and from position_ids alike:
+    out and the q/k/v gradients equal SDPA run on each document alone, to bf16 rounding (both are FlashAttention-
+    style bf16 kernels: 2e-2 relative)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lens = [700, 129, 1219]
+    S, Hq, Hkv, D = sum(lens), 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h: torch.randn(1, h, S, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, do = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lens])[None]
+    module = torch.nn.Module()
+    module.is_causal = True
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(do.transpose(1, 2))
+        return [out.detach().float()] + [t.grad.float() for t in leaves]
+
+    def per_document(q_, k_, v_):
+        outs = [torch.nn.functional.scaled_dot_product_attention(q_[:, :, a:b], k_[:, :, a:b], v_[:, :, a:b],
+                                                                  is_causal=True, enable_gqa=True)
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        return torch.cat(outs, 2).transpose(1, 2)
+
+    ref = grads(per_document)
+    for kw in (dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens)),
+               dict(position_ids=pos)):
+        got = grads(lambda q_, k_, v_: varlen.varlen_attention_forward(module, q_, k_, v_, None, **kw)[0])
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+            assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()).item() < 2e-2, (name, kw.keys())
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_varlen_baseline_trains_the_tiny_recipe(tp, tmp_path):
+    """train_throughput with --attn torch_varlen: the recipe's packed row through FlashAttention-2 varlen."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rc = tp.main(["--settings", TINY, "--attn", "torch_varlen", "--warmup", "1", "--steps", "2",
+                  "--out", str(tmp_path)])
+    (js,) = tmp_path.glob("train-throughput-*.json")
+    (run,) = json.loads(js.read_text())["runs"]
+    assert rc == 0 and run["status"] == "ok", run
+    assert run["attention_calls"] > 0 and all(torch.isfinite(torch.tensor(run["losses"])))

@@ -17,6 +17,13 @@ from typing import Any
 ATTN_CHOICES = ("deltamatch_fp8", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
+def _registered_attention(name: str) -> bool:
+    """Whether `name` is an attention function registered with transformers (e.g. a benchmark's baseline)."""
+    from transformers import AttentionInterface
+
+    return name in AttentionInterface._global_mapping
+
+
 class ConfigError(ValueError):
     """A bad recipe configuration (raised before any compute)."""
 
@@ -225,8 +232,9 @@ def validate(cfg: TrainConfig) -> None:
             hd = mc.get("head_dim") or (mc.get("hidden_size", 0) // max(1, mc.get("num_attention_heads", 1)))
             if hd and hd % 16:
                 err.append(f"deltamatch_fp8 needs head_dim % 16 == 0; model_config gives head_dim {hd}.")
-    if cfg.attn not in ATTN_CHOICES:
-        err.append(f"--attn {cfg.attn!r}: choose one of {list(ATTN_CHOICES)}.")
+    if cfg.attn not in ATTN_CHOICES and not _registered_attention(cfg.attn):
+        err.append(f"--attn {cfg.attn!r}: choose one of {list(ATTN_CHOICES)}, or register your own with "
+                   "transformers.AttentionInterface.register before parsing the config.")
     if cfg.precision not in ("fp8", "bf16", "fp8_fwd", "fp8_bwd"):
         err.append(f"--precision {cfg.precision!r}: choose fp8 or bf16 (or the ablations fp8_fwd: fp8 forward with "
                    "bf16 backward, fp8_bwd: bf16 forward with fp8 backward).")
