@@ -14,7 +14,8 @@ compile to byte accesses and nothing pipelines.
 --hash FILE records, for every default path of the package (Triton and Gluon forward, dQ and dK/dV; D 64, 128,
 256 and MLA's 192/128; causal, full and windowed masks; GQA; dense N = 8192 (the Gluon kernels' case) and
 N = 8000 (the Triton kernels'); packed and other varlen batches; fp8 and bf16 precision; e5m2 gradients; block 64;
-matching and stale delta), the kernels ops.forward and ops.backward launch and a hash of each one's sm_90 SASS,
+matching and stale delta; and, behind its TUNE key, the Gluon forward at D=256 and 192/128), the kernels
+ops.forward and ops.backward launch and a hash of each one's sm_90 SASS,
 one line per (case, kernel): a refactor of the kernels or launch.py that leaves every default alone leaves the
 hashes unchanged (compare the first six columns, `cut -d' ' -f1-6`; the constexprs after them name the kernels'
 options). The launches are recorded from ops.py itself (no kernel runs: every launch is caught before it
@@ -103,10 +104,12 @@ def strides(fn, constexprs):
     return unit, [a for a in names if a not in unit]
 
 
-def gluon_signature(fn, constexprs, d):
+def gluon_signature(fn, constexprs, d, dqk=None):
     """(signature, attrs) of one of the Gluon kernels (kernels/*_hopper.py) at head dim d: TMA descriptors by their
     boxes (a program's queries, keys or one query tile, by d, or d by them) and shared layouts; fp32 pointers for
-    the scale and row arrays; the outputs bf16."""
+    the scale and row arrays; the outputs bf16. dqk: the forward's q and k head dim where it is not d (MLA; d is
+    then Dv, the forward's HEAD_D)."""
+    dqk = 1 << ((dqk or d) - 1).bit_length()  # fwd_hopper's boxes: Dqk rounded up to a power of two
     from hf_deltamatch.kernels import _gluon as H
 
     def desc(rows, cols):
@@ -119,7 +122,7 @@ def gluon_signature(fn, constexprs, d):
                                     "qt_desc": (d, m), "dot_desc": (d, m)},
         "_bwd_dq_hopper_kernel": {"q_desc": (qb, d), "do_desc": (qb, d), "k_desc": (n, d), "v_desc": (n, d),
                                   "kt_desc": (d, n)},
-        "_fwd_hopper_kernel": {"q_desc": (qb, d), "k_desc": (n, d), "vt_desc": (d, n)},
+        "_fwd_hopper_kernel": {"q_desc": (qb, dqk), "k_desc": (n, dqk), "vt_desc": (d, n)},
     }[fn.__name__]
     sig = {}
     for a in fn.arg_names:
@@ -154,9 +157,10 @@ def pass_signature(fn):
     return sig, {a for a in fn.arg_names if a in ("sxd", "syd", "std")}, attrs
 
 
-def usage(fn, constexprs, warps, stages, maxnreg=None, ptxas_log=True):
+def usage(fn, constexprs, warps, stages, maxnreg=None, ptxas_log=True, dqk=None):
     """The kernel's sm_90 resource usage, SASS and PTX; ptxas_log=False skips ptxas's second run for its verdict
-    on the wgmma pipeline ("serialized" then reads "no")."""
+    on the wgmma pipeline ("serialized" then reads "no"). dqk: the Gluon forward's q and k head dim (gluon_signature;
+    its HEAD_D is Dv)."""
     if fn in (_quantize_kernel, _center_rotate_kernel):
         sig, unit, attrs = pass_signature(fn)
         sig.update({a: "constexpr" for a in constexprs})
@@ -164,7 +168,7 @@ def usage(fn, constexprs, warps, stages, maxnreg=None, ptxas_log=True):
         src = ASTSource(fn=fn, signature=sig, constexprs={**constexprs, **{a: 1 for a in unit}}, attrs=attrs)
     elif fn.__name__.endswith("_hopper_kernel"):
         from triton.experimental.gluon._runtime import GluonASTSource
-        sig, attrs = gluon_signature(fn, constexprs, constexprs["HEAD_D"])
+        sig, attrs = gluon_signature(fn, constexprs, constexprs["HEAD_D"], dqk)
         src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     else:
         sig, attrs = signature(fn, constexprs)
@@ -360,12 +364,20 @@ def default_cases():
                                                                               n=8192, precision=precision)
     cases["mla-192:128"] = dict(d=192, dv=128, causal=True, hq=4, hkv=4, n=8192)
     cases["d128-gqa-full-stale"] = dict(d=128, causal=False, hq=16, hkv=4, n=8192, delta="stale")
+    # the Gluon forward at D=256 and MLA's 192/128, off by default (launch.HOPPER_FWD_WIDE): with its TUNE key
+    wide = dict(hopper_fwd_wide=True)
+    for causal in (True, False):
+        mask = "causal" if causal else "full"
+        for hq, hkv in ((4, 4), (16, 4)):
+            cases[f"d256-{mask}-h{hq}:{hkv}-fwd-wide"] = dict(d=256, causal=causal, hq=hq, hkv=hkv, n=8192, tune=wide)
+        cases[f"mla-192:128-{mask}-fwd-wide"] = dict(d=192, dv=128, causal=causal, hq=4, hkv=4, n=8192, tune=wide)
     return cases
 
 
 def record_launches(case):
     """[(kernel function, constexprs, warps, stages, maxnreg)] that ops.forward then ops.backward launch for `case`
-    (default_cases), with kernels.TUNE as it stands. CPU tensors stand in for the GPU's; JITFunction.run records
+    (default_cases), with kernels.TUNE as it stands and the case's "tune" on top. CPU tensors stand in for the
+    GPU's; JITFunction.run records
     each launch and returns without running it, and launch._hopper_case sees an sm_90 device and Triton 3.6."""
     import torch
     from triton.runtime.jit import JITFunction
@@ -388,6 +400,8 @@ def record_launches(case):
 
     saved = JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability
     JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = run, sm90_case, lambda *a: (9, 0)
+    tune = dict(K.TUNE)
+    K.TUNE.update(case.get("tune", {}))
     try:
         d, dv, n = case["d"], case.get("dv", case["d"]), case["n"]
         B = 1 if "varlen" in case else 2
@@ -407,6 +421,8 @@ def record_launches(case):
         KO.backward(torch.zeros_like(out), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, **kw)
     finally:
         JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = saved
+        K.TUNE.clear()
+        K.TUNE.update(tune)
     return launches
 
 
@@ -421,7 +437,8 @@ def hash_defaults(path):
             for fn, cx, warps, stages, maxnreg in record_launches(case):
                 key = (fn.__name__, tuple(sorted(cx.items())), warps, stages, maxnreg)
                 if key not in compiled:
-                    compiled[key] = usage(fn, dict(cx), warps, stages, maxnreg, ptxas_log=False)["sass_md5"]
+                    compiled[key] = usage(fn, dict(cx), warps, stages, maxnreg, ptxas_log=False,
+                                          dqk=case["d"])["sass_md5"]
                     print(f"{name:32s} {KERNELS[fn.__name__]:10s} sass={compiled[key]} (compiled)", flush=True)
                 f.write(f"{name} {KERNELS[fn.__name__]} warps={warps} stages={stages} maxnreg={maxnreg} "
                         f"sass={compiled[key]} {dict(sorted(cx.items()))}\n")
@@ -432,6 +449,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--kernels", default="fwd,dq,dkdv")
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--dv", type=int, help="V's head dim where it is not --d (MLA: --d 192 --dv 128); the Gluon "
+                                          "forward (hopper_fwd) only")
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--full", action="store_true", help="the full mask instead of causal")
@@ -515,15 +534,16 @@ def main():
                 GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=cfg["stages"],
                 SCALE_AFTER_SUM=KL._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
                 VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"]), 4, 1)
-        if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
+        if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py); HEAD_D is Dv
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
-            cfg = KL._fwd_hopper_cfg()
-            jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
+            dv = args.dv or args.d
+            cfg = KL._fwd_hopper_cfg(dv)
+            jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=dv, CAUSAL=causal,
                                                            STAGES=cfg["stages"], VARLEN=args.varlen,
-                                                           REGS=cfg["regs"]), 4, 1)
+                                                           REGS=cfg["regs"], NWG=cfg["warpgroups"]), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
-            u = usage(fn, cx, w, s, KL._maxnreg(name).get("maxnreg"))
+            u = usage(fn, cx, w, s, KL._maxnreg(name).get("maxnreg"), dqk=args.d)
             print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
                   f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']} sass={u['sass_md5']} "
                   f"instructions={u['sass'].count(chr(10)) + 1}",

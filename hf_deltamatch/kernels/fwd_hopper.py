@@ -15,6 +15,8 @@ Per key tile of 128 keys, in one warpgroup (rows r0 .. r0+63):
     P * 256 = exp2(S f - m' + 8),  alpha = exp2(m - m'),  l = l alpha + rowsum(P * 256)
     O = O * alpha * (c / c') + (P * 256)8 v8,  c' = sv / 256   (O is kept in units of the last tile's c')
 and at the end O * c / (l / 256), LSE = (m + log2(l / 256)) ln 2. The Triton kernel's values and roundings.
+Off by default (launch.HOPPER_FWD_WIDE), also Dv = 256 with Dqk = 256 (two MMA warpgroups: WIDE_WARPGROUPS) and
+MLA's Dqk = 192 / Dv = 128 (three), on dense batches of N = M a multiple of 128: the same 128-key tiles and steps.
 Gluon has no interpreter; tests/test_kernels_gpu.py::test_fwd_hopper_kernel holds it to `_fwd_kernel`.
 """
 
@@ -31,14 +33,18 @@ from ._gluon import (
 # registers without spills, launch.FWD_HOPPER_REGS): 0.75x the time of two at D=64, 0.84x at D=128 causal
 WARPGROUPS = 3
 WGS = gl.constexpr(WARPGROUPS)
+# At Dv = 256 (launch.FWD_HOPPER_WIDE_DIMS) O alone takes 128 registers per thread of a warpgroup: two MMA
+# warpgroups of launch.FWD_HOPPER_WIDE_REGS each, as FlashAttention-3 runs D=256
+WIDE_WARPGROUPS = 2
+WIDE_WGS = gl.constexpr(WIDE_WARPGROUPS)
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, q_row, kv_row, vt_row, vt_col,
-            n_k, STAGES: gl.constexpr):
-    # a TMA box's rows are a power of two: one box per warpgroup
-    mbarrier.expect(q_bar, WGS * q_desc.block_type.nbytes)
-    for w in gl.static_range(WGS):
+            n_k, STAGES: gl.constexpr, NWG: gl.constexpr = WGS):
+    # a TMA box's rows are a power of two: one box per warpgroup (NWG: the program's MMA warpgroups)
+    mbarrier.expect(q_bar, NWG * q_desc.block_type.nbytes)
+    for w in gl.static_range(NWG):
         tma_load(q_desc, [q_row + w * BLOCK_M, 0], q_bar, q_smem.index(w))
     for j in range(n_k):
         s = j % STAGES
@@ -133,11 +139,14 @@ def _mma_partition(q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE,
 def _fwd_hopper_kernel(
     q_desc, k_desc, vt_desc, SQ, SK, SV, O, LSE, Hq, Hkv, N, softmax_scale, n_tiles, head_group, CU, PCU, N_OUT,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-    REGS: gl.constexpr,
+    REGS: gl.constexpr, NWG: gl.constexpr = WGS,
 ):
+    # HEAD_D: Dv (O's columns, v8t's rows per head); q8's and k8's Dqk is their descriptors' box width. NWG: MMA
+    # warpgroups, WARPGROUPS or (Dv = 256, dense batches) WIDE_WARPGROUPS
+    gl.static_assert(NWG == WGS or (NWG == WIDE_WGS and not VARLEN), "launch._fwd_hopper_cfg's warpgroups")
     # N: rows per head of the inputs (padded ones for VARLEN), N_OUT: of the outputs O, LSE
     base, length, start = _segment(CU, PCU, N, VARLEN)
-    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL, WGS,
+    kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL, NWG,
                                           VARLEN and not CAUSAL)
     if VARLEN:
         if q0 >= length:  # a block past this sequence's end (the grid covers the longest)
@@ -149,18 +158,28 @@ def _fwd_hopper_kernel(
     else:
         out0 = row0
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [WGS] + q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NWG] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     vt_smem = gl.allocate_shared_memory(vt_desc.dtype, [STAGES] + vt_desc.block_type.shape, vt_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    ready, empty = _ring_barriers(STAGES, WGS)
+    ready, empty = _ring_barriers(STAGES, NWG)
 
     # one quantization tile holds each warpgroup's 64 rows: a scalar score factor per warpgroup
     f0 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + q0)
     # the last block's second and third warpgroups may lie past the sequence (their scale: a row that exists)
     f1 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + gl.minimum(q0 + BLOCK_M, length - 1))
     f2 = softmax_scale * 1.4426950408889634 * gl.load(SQ + row0 + gl.minimum(q0 + 2 * BLOCK_M, length - 1))
+    if NWG == WIDE_WGS:  # Dv = 256 (f2 unused)
+        gl.warp_specialize([
+            (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f0, out0, q0, kv_row,
+                              n_k, length, 0, HEAD_D, STAGES, CAUSAL, VARLEN)),
+            (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f1, out0, q0 + BLOCK_M,
+                              kv_row, n_k, length, 1, HEAD_D, STAGES, CAUSAL, VARLEN)),
+            (_loader, (q_desc, k_desc, vt_desc, q_smem, k_smem, vt_smem, q_bar, ready, empty, row0 + q0, kv_row,
+                       kvh * HEAD_D, base, n_k, STAGES, NWG)),
+        ], [4, 1], [REGS, 24])
+        return
     gl.warp_specialize([
         (_mma_partition, (q_smem, k_smem, vt_smem, q_bar, ready, empty, SK, SV, O, LSE, f0, out0, q0, kv_row,
                           n_k, length, 0, HEAD_D, STAGES, CAUSAL, VARLEN)),
@@ -174,18 +193,21 @@ def _fwd_hopper_kernel(
 
 
 def fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, *, causal, softmax_scale, grid, n_tiles, head_group, stages,
-               regs, segments=None):
+               regs, segments=None, warpgroups=WARPGROUPS):
     """Launch `_fwd_hopper_kernel` (shapes checked by launch._fwd_hopper; grid over the query blocks of
-    64 x WARPGROUPS queries, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
+    64 x `warpgroups` queries, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers). segments: a packed batch's kernels.segments.Segments, the fp8 inputs and scales in its padded
-    layout, out and lse packed."""
+    layout, out and lse packed. q8, k8 of head dim Dqk, v8t (token-major) of Dv."""
     B, Hq, N, D = q8.shape
-    Hkv = k8.shape[1]
+    Hkv, dv = k8.shape[1], v8t.shape[3]
+    # a box is a power of two wide: MLA's Dqk = 192 reads 256 columns, TMA filling the 64 past the row with zeros
+    # (they add 0 to S)
+    D = 1 << (D - 1).bit_length()
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
     _fwd_hopper_kernel[grid](
         _desc(q8, [QUERIES_PER_TILE, D]), _desc(k8, [KEYS_PER_PROGRAM, D]),
-        _desc(v8t, [D, KEYS_PER_PROGRAM]),
+        _desc(v8t, [dv, KEYS_PER_PROGRAM]),
         sq, sk, sv, out, lse, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, cu, pcu, out.shape[2],
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None,
-        REGS=regs, num_warps=4,
+        GROUPS=Hq // Hkv, HEAD_D=dv, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None,
+        REGS=regs, NWG=warpgroups, num_warps=4,
     )

@@ -18,14 +18,14 @@ from ._fp8 import INTERPRET
 # "dkdv" (warps, stages), f"{k}_maxnreg" (ptxas register cap), "fwd_tma" / "dq_tma", "dkdv_lse2", "dkdv_p256".
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
-# on packed batches) and "hopper_ragged" (on dense batches of N not a multiple of 128). The q/k quantization pass with
-# the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where its default is
+# on packed batches), "hopper_ragged" (on dense batches of N not a multiple of 128) and "hopper_fwd_wide" (the Gluon
+# forward at FWD_HOPPER_WIDE_DIMS). The q/k quantization pass with the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where its default is
 # defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
               "fwd_hopper", "fwd_hopper_stages", "dkdv_hopper_wgs", "dkdv_hopper_pipe", "hopper_packed",
-              "hopper_ragged", "quantize_rotate"}
+              "hopper_ragged", "hopper_fwd_wide", "quantize_rotate"}
              | {f"{k}_maxnreg" for k in ("fwd", "dq", "dkdv")})
 
 
@@ -253,13 +253,15 @@ def _hopper_case(**case) -> bool:
 
 
 def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
-                    device, lse2_in: bool, p_shift: int, packed: bool = False, causal: bool = False) -> str | None:
+                    device, lse2_in: bool, p_shift: int, packed: bool = False, causal: bool = False,
+                    wide: bool = False) -> str | None:
     """None where the input is the Gluon kernels' case, else why not (one phrase, for the dispatch log): fp8 e4m3,
     Dqk = Dv in 64/128, block 128, no window, and N = M a multiple of 128, or N = M otherwise (HOPPER_RAGGED or
     TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen,
     causal, cu_seqlens_q = cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested
     Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes
-    only for inputs the Gluon kernels would otherwise take."""
+    only for inputs the Gluon kernels would otherwise take. wide: the forward's case, which also takes the head dims
+    of FWD_HOPPER_WIDE_DIMS where _wide_why_not allows."""
     if INTERPRET:
         return "TRITON_INTERPRET=1 (Gluon has no interpreter)"
     if not fp8:
@@ -267,7 +269,11 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     if not e4m3:
         return "e5m2 gradients"
     if dqk != dv or dqk not in (64, 128):
-        return f"head dims Dqk={dqk}, Dv={dv} (Dqk = Dv in 64, 128 only)"
+        if not (wide and (dqk, dv) in FWD_HOPPER_WIDE_DIMS):
+            return f"head dims Dqk={dqk}, Dv={dv} (Dqk = Dv in 64, 128 only)"
+        why = _wide_why_not(dqk=dqk, dv=dv, varlen=varlen, window=window, n=n)
+        if why:
+            return why
     if block != 128:
         return f"block={block} (128 only)"
     if window is not None:
@@ -294,6 +300,32 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     if not _gluon_triton_ok():
         import triton
         return f"Triton {triton.__version__} (tested: {', '.join(GLUON_TRITON_VERSIONS)}; {GLUON_ENV}=1 overrides)"
+    return None
+
+
+# The head dims (Dqk, Dv) beyond 64 and 128 at which the Gluon forward (fwd_hopper.py) runs, on dense batches of
+# N = M a multiple of 128, without a window, with the Triton dQ and dK/dV kernels after it (they read the same saved
+# q8, k8, v8, scales and LSE as after the Triton forward): Qwen3-Next / Gemma 3's 256 (two MMA warpgroups,
+# fwd_hopper.WIDE_WARPGROUPS) and MLA's 192/128 (three, as at D=128). Off until the GPU tests
+# (tests/test_kernels_gpu.py::test_fwd_hopper_wide) pass on the H200: HOPPER_FWD_WIDE or TUNE["hopper_fwd_wide"].
+FWD_HOPPER_WIDE_DIMS = ((256, 256), (192, 128))
+HOPPER_FWD_WIDE = False
+# Registers of each of the two MMA warpgroups at Dv = 256: O (128 per thread), S (64) and P8 (16) at once
+FWD_HOPPER_WIDE_REGS = 240
+FWD_HOPPER_WIDE_STAGES = 2
+
+
+def _wide_why_not(*, dqk: int, dv: int, varlen: bool, window, n: int) -> str | None:
+    """_hopper_why_not's verdict at FWD_HOPPER_WIDE_DIMS (the Gluon forward only): None, or why not."""
+    dims = f"head dims Dqk={dqk}, Dv={dv}"
+    if not TUNE.get("hopper_fwd_wide", HOPPER_FWD_WIDE):
+        return f"{dims}: the Gluon forward there is off (launch.HOPPER_FWD_WIDE / TUNE['hopper_fwd_wide'])"
+    if varlen:
+        return f"a varlen batch at {dims} (the Gluon forward there: dense batches only)"
+    if window is not None:
+        return f"a sliding window at {dims} (the Gluon forward there: none)"
+    if n % 128:
+        return f"N not a multiple of 128 at {dims} (the Gluon forward there: whole 128-token tiles only)"
     return None
 
 
@@ -340,15 +372,16 @@ def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: boo
     """Whether the forward comes from fwd_hopper's Gluon kernel: FWD_HOPPER_HEAD_DIMS, a packed batch
     (HOPPER_PACKED) or TUNE["fwd_hopper"], and the input is the Gluon kernels' case (_hopper_case; the forward
     always quantizes to e4m3 and has no LSE2)."""
-    return bool(TUNE.get("fwd_hopper", d in FWD_HOPPER_HEAD_DIMS or varlen)) and _hopper_case(
+    wide = (dqk, dv) in FWD_HOPPER_WIDE_DIMS  # where _hopper_why_not asks HOPPER_FWD_WIDE
+    return bool(TUNE.get("fwd_hopper", d in FWD_HOPPER_HEAD_DIMS or varlen or wide)) and _hopper_case(
         **_fwd_case(fp8=fp8, dqk=dqk, dv=dv, block=block, varlen=varlen, window=window, n=n, m=m, device=device,
                     packed=packed, causal=causal))
 
 
 def _fwd_case(**case) -> dict:
-    """_hopper_case's input for the forward (_fwd_hopper's arguments): e4m3, and the dQ kernel's LSE2 and P * 256,
-    which the forward does not use."""
-    return dict(case, e4m3=True, lse2_in=True, p_shift=8)
+    """_hopper_case's input for the forward (_fwd_hopper's arguments): e4m3, the dQ kernel's LSE2 and P * 256,
+    which the forward does not use, and the forward's own head dims (wide: FWD_HOPPER_WIDE_DIMS)."""
+    return dict(case, e4m3=True, lse2_in=True, p_shift=8, wide=True)
 
 
 def _dkdv_hopper(d: int, **case) -> bool:
@@ -410,9 +443,16 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
                 pipe=pipe, fresh_dp=pipe and fresh_dp, **wgs)
 
 
-def _fwd_hopper_cfg() -> dict:
-    """fwd_hopper.fwd_hopper's options: FWD_HOPPER_STAGES (or TUNE["fwd_hopper_stages"]) and FWD_HOPPER_REGS."""
-    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)), regs=FWD_HOPPER_REGS)
+def _fwd_hopper_cfg(dv: int = 128) -> dict:
+    """fwd_hopper.fwd_hopper's options at head dim Dv: FWD_HOPPER_STAGES (or TUNE["fwd_hopper_stages"]),
+    FWD_HOPPER_REGS and fwd_hopper.WARPGROUPS; at Dv = 256 FWD_HOPPER_WIDE_STAGES, FWD_HOPPER_WIDE_REGS and
+    fwd_hopper.WIDE_WARPGROUPS."""
+    from .fwd_hopper import WARPGROUPS, WIDE_WARPGROUPS
+    if dv > 128:
+        return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_WIDE_STAGES)), regs=FWD_HOPPER_WIDE_REGS,
+                    warpgroups=WIDE_WARPGROUPS)
+    return dict(stages=int(TUNE.get("fwd_hopper_stages", FWD_HOPPER_STAGES)), regs=FWD_HOPPER_REGS,
+                warpgroups=WARPGROUPS)
 
 
 def _dq_hopper_cfg(d: int, causal: bool, padded: bool = False) -> dict:

@@ -288,7 +288,8 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             out.zero_()
         return out, lse, q8, k8, v8, sq, sk, sv
     if hopper:
-        from .fwd_hopper import WARPGROUPS, fwd_hopper
+        from .fwd_hopper import fwd_hopper
+        cfg = _fwd_hopper_cfg(dv)  # MLA's Dqk=192 / Dv=128 and Dv=256 too (launch.FWD_HOPPER_WIDE_DIMS)
         # a packed batch: its padded layout (segments.py); out and lse stay packed. Ragged: q8, k8 are in it already
         if varlen:
             ops = (q8p, k8p, v8tp, sqp, skp, svp)
@@ -296,10 +297,10 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
             ops = (_padded_view(q8), _padded_view(k8), v8t, pad(sq, seg, 1.0), pad(sk, seg, 1.0), svp)
         else:
             ops = (q8, k8, v8t, sq, sk, sv)
-        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, WARPGROUPS), B * Hq, nseq,
+        grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq,
                                           bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
-                   head_group=head_group, segments=seg, **_fwd_hopper_cfg())
+                   head_group=head_group, segments=seg, **cfg)
         return out, lse, q8, k8, v8, sq, sk, sv
     # dense: V's token-major tiles end at the head's end (TMA fills zeros past it)
     tma = _use_tma("fwd", fp8, dqk, dv, aligned and (not varlen or _whole_tiles(rems, keys=T)))
