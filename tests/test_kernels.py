@@ -570,6 +570,67 @@ def test_gluon_case_and_why_not(monkeypatch):
     assert "TRITON_INTERPRET" in why()
 
 
+def test_gluon_forward_wide_dims_dispatch(monkeypatch):
+    """The Gluon forward at D=256 and MLA's Dqk=192 / Dv=128 (launch.FWD_HOPPER_WIDE_DIMS): off by default, with the
+    dispatch log's reason; with TUNE["hopper_fwd_wide"] (or HOPPER_FWD_WIDE) on dense batches of N = M a multiple
+    of 128, causal or full, GQA or not, and nowhere else (varlen, window, ragged N, N != M, bf16, other head dims:
+    each with its reason). dQ and dK/dV stay on the Triton kernels there whatever their own switches say, and the
+    forward's launch config is two warpgroups of 240 registers at Dv = 256, the D=128 one at Dv = 128. Host logic
+    with the capability and Triton version faked (tests/test_kernels_gpu.py::test_fwd_hopper_wide runs the kernel)."""
+    import types
+
+    import triton
+
+    monkeypatch.setattr(KL, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
+    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+    dev = types.SimpleNamespace(type="cuda")
+    fwd = dict(fp8=True, block=128, varlen=False, window=None, n=8192, m=8192, device=dev, causal=True)
+    bwd = dict(fwd, e4m3=True, lse2_in=True, p_shift=8)
+
+    def on(dqk, dv, **change):
+        return KL._fwd_hopper(max(dqk, dv), **{**fwd, "dqk": dqk, "dv": dv, **change})
+
+    def why(dqk, dv, **change):
+        return KL._hopper_why_not(**KL._fwd_case(**{**fwd, "dqk": dqk, "dv": dv, **change}))
+
+    assert not KL.HOPPER_FWD_WIDE  # off until its GPU tests pass on the H200
+    for dqk, dv in KL.FWD_HOPPER_WIDE_DIMS:
+        assert not on(dqk, dv) and "HOPPER_FWD_WIDE" in why(dqk, dv), why(dqk, dv)
+    assert on(128, 128) and on(64, 64)  # the D 64 / 128 dispatch as before
+    try:
+        K.TUNE["hopper_fwd_wide"] = True
+        for dqk, dv in KL.FWD_HOPPER_WIDE_DIMS:
+            for causal in (True, False):
+                for n in (128, 2048, 8192):
+                    assert on(dqk, dv, causal=causal, n=n, m=n) and why(dqk, dv, causal=causal, n=n, m=n) is None
+            for change, phrase in ((dict(varlen=True, packed=True), "varlen"), (dict(window=512), "window"),
+                                   (dict(n=8000, m=8000), "multiple of 128"), (dict(m=4096), "N != M"),
+                                   (dict(fp8=False), "bf16"), (dict(device=types.SimpleNamespace(type="cpu")), "cpu")):
+                got = why(dqk, dv, **change)
+                assert got is not None and phrase in got and not on(dqk, dv, **change), (change, got)
+            # the backward's case has no `wide`: its Gluon kernels never take these head dims, even when asked
+            K.TUNE.update(dq_hopper=True, dkdv_hopper=True)
+            assert f"Dqk={dqk}, Dv={dv}" in KL._hopper_why_not(**{**bwd, "dqk": dqk, "dv": dv})
+            assert not KL._dkdv_hopper(dv, **{**bwd, "dqk": dqk, "dv": dv})
+            assert not KL._dq_hopper(dv, stale=False, **{**bwd, "dqk": dqk, "dv": dv})
+            del K.TUNE["dq_hopper"], K.TUNE["dkdv_hopper"]
+        for dqk, dv in ((256, 128), (192, 192), (128, 256), (96, 96)):  # no other head dims
+            assert not on(dqk, dv) and "Dqk = Dv in 64, 128 only" in why(dqk, dv)
+        K.TUNE["fwd_hopper"] = False  # the forward's own switch still turns it off
+        assert not on(256, 256)
+    finally:
+        K.TUNE.clear()
+    monkeypatch.setattr(KL, "HOPPER_FWD_WIDE", True)
+    assert on(256, 256) and on(192, 128)
+    from hf_deltamatch.kernels import fwd_hopper
+    assert KL._fwd_hopper_cfg(256) == dict(stages=KL.FWD_HOPPER_WIDE_STAGES, regs=KL.FWD_HOPPER_WIDE_REGS,
+                                           warpgroups=fwd_hopper.WIDE_WARPGROUPS) and fwd_hopper.WIDE_WARPGROUPS == 2
+    assert KL._fwd_hopper_cfg(128) == KL._fwd_hopper_cfg(64) == dict(
+        stages=KL.FWD_HOPPER_STAGES, regs=KL.FWD_HOPPER_REGS, warpgroups=fwd_hopper.WARPGROUPS)
+
+
 def test_dispatch_log_once_per_case(monkeypatch, caplog):
     """The dispatch log (issue #32): kernels.forward and kernels.backward say at DEBUG, on the "hf_deltamatch"
     logger, which kernels a call takes and why not the Gluon ones, once per distinct case (a second call of the same

@@ -647,6 +647,87 @@ def test_fwd_hopper_kernel(stages):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("N", [2048, 8192])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "mla"])
+def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
+    """The Gluon forward at D=256 and MLA's Dqk=192 / Dv=128 (TUNE hopper_fwd_wide; launch.FWD_HOPPER_WIDE_DIMS, off
+    by default) on dense batches, GQA and MHA, causal and full:
+      - with the key the Gluon forward launches and the backward runs the Triton dQ and dK/dV kernels; without it
+        nothing Gluon runs;
+      - against the Triton forward on the same inputs: out within 1e-3 and LSE 1e-4 (test_fwd_hopper_kernel's bounds:
+        the same 128-key steps and roundings), the saved q8, k8, v8 and scales bit for bit, so the Triton backward
+        from either forward's saved tensors agrees within 1e-3 (it reads LSE, which differs by < 1e-4);
+      - against exact float64 attention: the Gluon path's out and gradients within 5 % + 1e-3 of the Triton path's
+        errors (the FP8 quantization dominates both, and is the same), and against the reference backend (_compare)
+        within FP8_TOL, 2e-2 at N = 8192 (the QGMMA accumulation over N queries: test_hopper_ragged)."""
+    skip_unless_gluon_triton()
+    Dqk, Dv = dims
+    calls = _gluon_launches(monkeypatch)
+    B = 2 if N <= 2048 else 1
+    for Hq, Hkv in ((4, 2), (4, 4)):
+        q, k, v, do = _inputs(B, Hq, Hkv, N, N, Dqk, Dv, torch.bfloat16, seed=13)
+        kw = dict(causal=causal, softmax_scale=Dqk ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        runs = {}
+        for name, on in (("gluon", True), ("triton", False)):
+            K.TUNE.update(hopper_fwd_wide=on)
+            calls.clear()
+            try:
+                f = K.forward(q, k, v, **kw)
+                runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
+            finally:
+                K.TUNE.clear()
+            # the comparison proves nothing unless the Gluon forward ran (dense: no segments), and only it
+            assert calls == ([("fwd_hopper", None)] if on else []), calls
+        (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
+        err, lse_err = _rel(fg[0], ft[0]), (fg[1] - ft[1]).abs().max().item()
+        errs = [_rel(a, b) for a, b in zip(gg, gt)]
+        tag = f"N{N} D{Dqk}/{Dv} H{Hq}/{Hkv} {'causal' if causal else 'full'}"
+        print(f"GLUON WIDE FWD vs TRITON {tag}: out {err:.3g} lse {lse_err:.3g} dq/dk/dv",
+              [float(f"{e:.3g}") for e in errs])
+        assert err < 1e-3 and lse_err < 1e-4, (err, lse_err)
+        for a, b in zip(fg[2:], ft[2:]):  # q8, k8, v8 and their scales: the same quantization
+            assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.float(), b.float())
+        assert max(errs) < 1e-3, errs
+        for t in (*fg[:2], *gg):
+            assert torch.isfinite(t).all()
+        o, grads = _exact(q, k, v, do, causal)
+        exact = {name: [_rel(f_[0], o)] + [_rel(a, b) for a, b in zip(g_, grads)] for name, (f_, g_) in runs.items()}
+        print(f"WIDE vs EXACT {tag}: out/dq/dk/dv",
+              {name: [float(f"{e:.3g}") for e in errs_] for name, errs_ in exact.items()})
+        for eg, et in zip(exact["gluon"], exact["triton"]):
+            assert eg <= 1.05 * et + 1e-3, exact
+    calls.clear()
+    K.TUNE.update(hopper_fwd_wide=True)
+    try:  # the Gluon forward's own saved tensors through the Triton backward, against the reference
+        _compare(B=B, Hq=4, Hkv=2, N=N, Dqk=Dqk, Dv=Dv, causal=causal, tol=2e-2 if N > 4096 else None)
+    finally:
+        K.TUNE.clear()
+    assert [c for c, _ in calls] == ["fwd_hopper"], calls
+
+
+def test_fwd_hopper_wide_stages(monkeypatch):
+    """At D=256 a ring of three stages fits the SM's shared memory too (229664 of its 232448 bytes; launch keeps
+    FWD_HOPPER_WIDE_STAGES = 2 until timed): the same output and LSE bit for bit (the ring's depth changes no
+    arithmetic), causal with GQA."""
+    skip_unless_gluon_triton()
+    calls = _gluon_launches(monkeypatch)
+    q, k, v, _ = _inputs(1, 4, 2, 2048, 2048, 256, 256, torch.bfloat16, seed=17)
+    kw = dict(causal=True, softmax_scale=256 ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    outs = []
+    for stages in (2, 3):
+        K.TUNE.update(hopper_fwd_wide=True, fwd_hopper_stages=stages)
+        try:
+            outs.append(K.forward(q, k, v, **kw)[:2])
+        finally:
+            K.TUNE.clear()
+    assert [c for c, _ in calls] == ["fwd_hopper"] * 2, calls
+    assert all(torch.isfinite(t).all() for t in outs[0])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("dkdv", [(8, 1), (8, 2)])
 def test_head_dim_256_configs_and_split_dkdv(dkdv):
     """D > 128 with the launch configs timed on the H200 and dK/dV split into a dV and a dK launch

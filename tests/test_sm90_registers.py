@@ -221,3 +221,62 @@ def test_hash_records_the_default_launches():
     for name in ("d128-causal-h4:4-n8192-fp8-matching", "d128-causal-h4:4-n8192-fp8-stale",
                  "d64-causal-h4:4-n8000-bf16-matching", "d256-causal-fp8"):
         assert got["ragged:" + name] == got[name]
+
+
+@pytest.mark.parametrize("dims", [["--d", "256"], ["--d", "256", "--full"], ["--d", "256", "--groups", "4"],
+                                  ["--d", "192", "--dv", "128"]], ids=["d256", "d256-full", "d256-gqa", "mla"])
+def test_gluon_forward_wide_compiles_for_sm90(dims):
+    """The Gluon forward at D=256 (two MMA warpgroups of launch.FWD_HOPPER_WIDE_REGS: O alone is 128 registers per
+    thread) and MLA's Dqk=192 / Dv=128 (three, q and k read 256 wide) compiles for sm_90 within the SM's 227 KB of
+    shared memory, its P8 V MMA 256 wide at Dv = 256, no serialized wgmma, and no spills with Triton 3.6 (the
+    version the Gluon kernels run with: launch.GLUON_TRITON_VERSIONS); with 3.9 MLA spills 16-32 bytes, as the
+    three-warpgroup forward does at D=128 there."""
+    import triton
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, str(SCRIPT), "--kernels", "hopper_fwd", *dims],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    if res.returncode and "Cannot find" in res.stderr:
+        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 1, res.stdout
+    ln = rows[0]
+    assert "wgmma serialized: no" in ln and "QGMMA.64x128x32.F32.E4M3.E4M3" in ln, ln
+    assert ("QGMMA.64x256x32.F32.E4M3.E4M3" in ln) == ("256" in dims[1]), ln
+    assert int(re.search(r"smem=(\d+)", ln).group(1)) <= 227 * 1024, ln
+    allowed = 0 if triton.__version__.startswith("3.6") or "256" in dims[1] else 32
+    assert int(re.search(r"spill=(\d+)B", ln).group(1)) <= allowed, ln
+
+
+def test_hash_records_the_wide_forward():
+    """--hash's cases behind TUNE["hopper_fwd_wide"] (D=256, MLA's 192/128): the Gluon forward launches (two
+    warpgroups at Dv = 256, three at Dv = 128; HEAD_D is Dv), then the Triton dQ kernel and the split dK/dV one with
+    the very constexprs they get after the Triton forward (the backward reads the same saved tensors either way);
+    without the key the Triton forward, and the key leaves kernels.TUNE as it was."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
+            "from hf_deltamatch.kernels import launch\n"
+            "cases = S.default_cases()\n"
+            "for name in ('d256-causal-h4:4-fwd-wide', 'd256-full-h16:4-fwd-wide', 'mla-192:128-causal-fwd-wide'):\n"
+            "    base = {k: v for k, v in cases[name].items() if k != 'tune'}\n"
+            "    for tag, case in (('wide', cases[name]), ('base', base)):\n"
+            "        got = [(S.KERNELS[fn.__name__], sorted(cx.items())) for fn, cx, *_ in S.record_launches(case)]\n"
+            "        print(tag, name, repr(got), launch.TUNE)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = {}
+    for ln in res.stdout.splitlines():
+        tag, name, rest = ln.split(" ", 2)
+        launches, tune = rest.rsplit(" ", 1)
+        assert tune == "{}", ln
+        got[tag, name] = eval(launches)  # noqa: S307  (our own subprocess's repr)
+    for name, (dv, nwg) in (("d256-causal-h4:4-fwd-wide", (256, 2)), ("d256-full-h16:4-fwd-wide", (256, 2)),
+                            ("mla-192:128-causal-fwd-wide", (128, 3))):
+        wide, base = got["wide", name], got["base", name]
+        assert [k for k, _ in wide] == ["hopper_fwd", "dq", "dkdv", "dkdv"], wide
+        assert [k for k, _ in base] == ["fwd", "dq", "dkdv", "dkdv"], base
+        cx = dict(wide[0][1])
+        assert cx["HEAD_D"] == dv and cx["NWG"] == nwg and not cx["VARLEN"], cx
+        assert wide[1:] == base[1:], name
