@@ -435,7 +435,8 @@ def hash_defaults(path):
     with open(path, "w") as f:
         for name, case in default_cases().items():
             for fn, cx, warps, stages, maxnreg in record_launches(case):
-                key = (fn.__name__, tuple(sorted(cx.items())), warps, stages, maxnreg)
+                # Dqk: the Gluon forward's HEAD_D is Dv, its q and k boxes (not constexprs) are Dqk wide
+                key = (fn.__name__, tuple(sorted(cx.items())), warps, stages, maxnreg, case["d"])
                 if key not in compiled:
                     compiled[key] = usage(fn, dict(cx), warps, stages, maxnreg, ptxas_log=False,
                                           dqk=case["d"])["sass_md5"]

@@ -443,7 +443,7 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict
                 pipe=pipe, fresh_dp=pipe and fresh_dp, **wgs)
 
 
-def _fwd_hopper_cfg(dv: int = 128) -> dict:
+def _fwd_hopper_cfg(dv: int) -> dict:
     """fwd_hopper.fwd_hopper's options at head dim Dv: FWD_HOPPER_STAGES (or TUNE["fwd_hopper_stages"]),
     FWD_HOPPER_REGS and fwd_hopper.WARPGROUPS; at Dv = 256 FWD_HOPPER_WIDE_STAGES, FWD_HOPPER_WIDE_REGS and
     fwd_hopper.WIDE_WARPGROUPS."""
