@@ -19,8 +19,8 @@ from ._fp8 import INTERPRET
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
 # on packed batches), "hopper_ragged" (on dense batches of N not a multiple of 128) and "hopper_fwd_wide" (the Gluon
-# forward at FWD_HOPPER_WIDE_DIMS). The q/k quantization pass with the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where its default is
-# defined below.
+# forward at FWD_HOPPER_WIDE_DIMS). The q/k quantization pass with the fused rotation: "quantize_rotate" ((tiles per
+# program, warps, stages)). Each is read where its default is defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
@@ -370,8 +370,8 @@ FWD_HOPPER_REGS = 160
 def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
                 device, packed: bool = False, causal: bool = False) -> bool:
     """Whether the forward comes from fwd_hopper's Gluon kernel: FWD_HOPPER_HEAD_DIMS, a packed batch
-    (HOPPER_PACKED) or TUNE["fwd_hopper"], and the input is the Gluon kernels' case (_hopper_case; the forward
-    always quantizes to e4m3 and has no LSE2)."""
+    (HOPPER_PACKED), FWD_HOPPER_WIDE_DIMS (where HOPPER_FWD_WIDE is on: _wide_why_not) or TUNE["fwd_hopper"], and
+    the input is the Gluon kernels' case (_hopper_case; the forward always quantizes to e4m3 and has no LSE2)."""
     wide = (dqk, dv) in FWD_HOPPER_WIDE_DIMS  # where _hopper_why_not asks HOPPER_FWD_WIDE
     return bool(TUNE.get("fwd_hopper", d in FWD_HOPPER_HEAD_DIMS or varlen or wide)) and _hopper_case(
         **_fwd_case(fp8=fp8, dqk=dqk, dv=dv, block=block, varlen=varlen, window=window, n=n, m=m, device=device,
