@@ -436,6 +436,8 @@ def main():
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--full", action="store_true", help="the full mask instead of causal")
     p.add_argument("--groups", type=int, default=1, help="query heads per KV head (GQA)")
+    p.add_argument("--window", action="store_true", help="the Gluon kernels' sliding-window variant (HAS_WINDOW, "
+                                                         "causal; launch.HOPPER_WINDOW)")
     p.add_argument("--varlen", action="store_true", help="the Gluon kernels' packed-batch variant (causal; with "
                                                           "--full the ragged dense batches' full-mask one)")
     p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) and PTX to, "
@@ -520,7 +522,7 @@ def main():
             cfg = KL._fwd_hopper_cfg()
             jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
                                                            STAGES=cfg["stages"], VARLEN=args.varlen,
-                                                           REGS=cfg["regs"]), 4, 1)
+                                                           REGS=cfg["regs"], HAS_WINDOW=args.window), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, KL._maxnreg(name).get("maxnreg"))
