@@ -516,7 +516,7 @@ def main():
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=cfg["stages"],
                 SCALE_AFTER_SUM=KL._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
-                VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"]), 4, 1)
+                VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"], HAS_WINDOW=args.window), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py)
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
             cfg = KL._fwd_hopper_cfg()
