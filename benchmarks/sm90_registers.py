@@ -14,10 +14,11 @@ compile to byte accesses and nothing pipelines.
 --hash FILE records, for every default path of the package (Triton and Gluon forward, dQ and dK/dV; D 64, 128,
 256 and MLA's 192/128; causal, full and windowed masks; GQA; dense N = 8192 (the Gluon kernels' case) and
 N = 8000 (the Triton kernels'); packed and other varlen batches; fp8 and bf16 precision; e5m2 gradients; block 64;
-matching and stale delta), the kernels ops.forward and ops.backward launch and a hash of each one's sm_90 SASS,
-one line per (case, kernel): a refactor of the kernels or launch.py that leaves every default alone leaves the
-hashes unchanged (compare the first six columns, `cut -d' ' -f1-6`; the constexprs after them name the kernels'
-options). The launches are recorded from ops.py itself (no kernel runs: every launch is caught before it
+matching and stale delta), and after them the Gluon kernels' sliding-window variants (TUNE["hopper_window"], off by
+default: the cases named *-gluon-window-*), the kernels ops.forward and ops.backward launch and a hash of each
+one's sm_90 SASS, one line per (case, kernel): a refactor of the kernels or launch.py that leaves every default alone
+leaves the hashes unchanged (compare the first six columns, `cut -d' ' -f1-6`; the constexprs after them name the
+kernels' options). The launches are recorded from ops.py itself (no kernel runs: every launch is caught before it
 reaches a GPU), with the Gluon kernels' conditions (an sm_90 device, Triton 3.6) answered as on the H200.
 
 --loops adds, per innermost loop of the SASS (a backward branch's body: about one per key- or query-tile range,
@@ -360,12 +361,21 @@ def default_cases():
                                                                               n=8192, precision=precision)
     cases["mla-192:128"] = dict(d=192, dv=128, causal=True, hq=4, hkv=4, n=8192)
     cases["d128-gqa-full-stale"] = dict(d=128, causal=False, hq=16, hkv=4, n=8192, delta="stale")
+    # the Gluon kernels' sliding windows (launch.HOPPER_WINDOW, off by default): dense, ragged and packed batches
+    for d in (64, 128):
+        for hq, hkv in ((4, 4), (16, 4)):
+            for n in (8192, 8000):
+                cases[f"d{d}-gluon-window-h{hq}:{hkv}-n{n}"] = dict(d=d, causal=True, hq=hq, hkv=hkv, n=n, window=1024,
+                                                                    tune=dict(hopper_window=True))
+        cases[f"d{d}-gluon-window-packed"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000),
+                                                  window=1024, tune=dict(hopper_window=True))
     return cases
 
 
 def record_launches(case):
     """[(kernel function, constexprs, warps, stages, maxnreg)] that ops.forward then ops.backward launch for `case`
-    (default_cases), with kernels.TUNE as it stands. CPU tensors stand in for the GPU's; JITFunction.run records
+    (default_cases), with kernels.TUNE as it stands and the case's "tune" on top. CPU tensors stand in for the GPU's;
+    JITFunction.run records
     each launch and returns without running it, and launch._hopper_case sees an sm_90 device and Triton 3.6."""
     import torch
     from triton.runtime.jit import JITFunction
@@ -387,7 +397,9 @@ def record_launches(case):
             triton.__version__ = saved
 
     saved = JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability
+    saved_tune = dict(K.TUNE)
     JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = run, sm90_case, lambda *a: (9, 0)
+    K.TUNE.update(case.get("tune", {}))
     try:
         d, dv, n = case["d"], case.get("dv", case["d"]), case["n"]
         B = 1 if "varlen" in case else 2
@@ -407,6 +419,8 @@ def record_launches(case):
         KO.backward(torch.zeros_like(out), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, **kw)
     finally:
         JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = saved
+        K.TUNE.clear()
+        K.TUNE.update(saved_tune)
     return launches
 
 
@@ -500,7 +514,8 @@ def main():
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel, pipe_mode
             if args.dkdv_pipe:  # launch refuses the pipelined MMA under some ptxas: decide it here instead
                 K.TUNE["dkdv_hopper_pipe"] = False
-            cfg = KL._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen)
+            cfg = KL._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen,
+                                      window=args.window)
             if args.dkdv_pipe:
                 cfg["pipe"], cfg["fresh_dp"] = args.dkdv_pipe != "off", args.dkdv_pipe == "fresh"
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
@@ -509,7 +524,8 @@ def main():
                                                             REGS=cfg["regs"],
                                                             PAIRS=cfg["pairs"], PEEL=cfg["peel"],
                                                             AHEAD=cfg["ahead"],
-                                                            PIPE=pipe_mode(cfg["pipe"], cfg["fresh_dp"])), 4, 1)
+                                                            PIPE=pipe_mode(cfg["pipe"], cfg["fresh_dp"]),
+                                                            HAS_WINDOW=args.window), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             cfg = KL._dq_hopper_cfg(args.d, causal, padded=args.varlen)

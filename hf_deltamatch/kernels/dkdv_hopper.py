@@ -2,7 +2,9 @@
 
 The same contract and arithmetic as `_bwd_dkdv_kernel` (backward.py) with PART 0, DSS_IN, LSE2_IN and
 P_SHIFT = 8, for its common case only (launch._dkdv_hopper says when): fp8 e4m3, Dqk = Dv in (64, 128), no
-window, N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its sequences
+window (HAS_WINDOW: a causal sliding window, with launch.HOPPER_WINDOW: the query tiles end at the last query whose
+window holds the program's last key, each warpgroup skips those past its own keys' windows and masks those the
+window's edge cuts), N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its sequences
 padded to multiples of 128 rows by kernels.segments, LSE2, delta and the dS scales where the dQ kernel put them;
 dK, dV to the packed rows; also a dense batch of N not a multiple of 128, each head one such sequence, causal or
 full: launch.HOPPER_RAGGED; padded keys are never stored, and padded query rows have P = 0 from their -inf LSE).

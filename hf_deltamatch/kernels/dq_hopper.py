@@ -2,7 +2,9 @@
 
 The same contract and arithmetic as `_bwd_dq_kernel` (backward.py) with 64-row blocks (ONE_TILE), matching
 delta, LSE2_OUT (P_SHIFT 8) and DSS_OUT, for its common case only (launch._dq_hopper says when): fp8 e4m3,
-Dqk = Dv in (64, 128), no window, N = M a multiple of 128, causal or full, any GQA group, or a causal packed
+Dqk = Dv in (64, 128), no window (HAS_WINDOW: a causal sliding window, with launch.HOPPER_WINDOW: both passes
+over the key tiles from the program's first query's window on, each warpgroup's tiles before its own window
+released, the edge's masked), N = M a multiple of 128, causal or full, any GQA group, or a causal packed
 batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, as LSE, delta, LSE2 and the dS
 scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows; also a dense
 batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N) full:
@@ -255,9 +257,8 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     lo = _first_tile(r0 - WG * BLOCK_M, window, HAS_WINDOW)
     if HAS_WINDOW:
         # this warpgroup's first key tile, j0 (its first row's window starts there; the program's, lo, may be one
-        # before it: released unread), and the first tile its rows see whole, edge: [j0, edge) masked like the
-        # diagonal tile (a tile with a dS scale of 1, never written, must not reach _dq_units: it would take dq's
-        # units up to sk)
+        # before it: released unread, its dS scale never written), and the first tile its rows see whole, edge:
+        # [j0, edge) masked like the diagonal tile
         j0 = gl.maximum(r0 - window + 1, 0) // BLOCK_N
         edge = (gl.maximum(r0 + BLOCK_M - window, 0) + BLOCK_N - 1) // BLOCK_N
         edge = gl.maximum(gl.minimum(edge, n_k - 1), j0)

@@ -2,12 +2,15 @@
 128: launch.FWD_HOPPER_HEAD_DIMS).
 
 The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case
-(launch._hopper_case): fp8, Dqk = Dv in (64, 128), no window, N = M a multiple of 128, or a causal packed batch
+(launch._hopper_case): fp8, Dqk = Dv in (64, 128), no window (HAS_WINDOW: a causal sliding window, with
+launch.HOPPER_WINDOW), N = M a multiple of 128, or a causal packed batch
 (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows; also a
 dense batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N)
 full: launch.HOPPER_RAGGED). A program
 covers 64 queries per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for all
-(a warpgroup whose diagonal comes before the program's last key tile releases that tile unread); v8
+(a warpgroup whose diagonal comes before the program's last key tile releases that tile unread; with HAS_WINDOW the
+loader starts at the key tile of the program's first query's window, a warpgroup whose own window starts a tile
+later releases that tile unread, and the tiles the window's edge cuts are masked like the diagonal); v8
 comes token-major with its keys in k_order, so P8 is the score accumulator as it is (_gluon.fp8_operand).
 Per key tile of 128 keys, in one warpgroup (rows r0 .. r0+63):
     S = q8 k8^T                                               (async)

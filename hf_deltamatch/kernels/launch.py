@@ -194,8 +194,9 @@ DQ_HOPPER_WARPGROUPS = 2
 
 
 # Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence at rows starting at
-# multiples of 128): causal self-attention, one batch row, no window, forward and backward alike. On a packed batch
-# the Triton kernels are far slower than on a dense one: the Gluon forward 0.64x their time, dQ 0.45x.
+# multiples of 128): causal self-attention, one batch row (a sliding window: HOPPER_WINDOW), forward and backward
+# alike. On a packed batch the Triton kernels are far slower than on a dense one: the Gluon forward 0.64x their time,
+# dQ 0.45x.
 HOPPER_PACKED = True
 
 
