@@ -221,3 +221,33 @@ def test_hash_records_the_default_launches():
     for name in ("d128-causal-h4:4-n8192-fp8-matching", "d128-causal-h4:4-n8192-fp8-stale",
                  "d64-causal-h4:4-n8000-bf16-matching", "d256-causal-fp8"):
         assert got["ragged:" + name] == got[name]
+
+
+def test_hash_records_the_window_launches():
+    """record_launches on the sliding-window cases: a causal window takes the Triton kernels by default
+    (launch.HOPPER_WINDOW off) and, with the case's TUNE hopper_window, the three Gluon kernels with HAS_WINDOW, dense
+    (N = 8192), ragged (N = 8000: their padded variant) and packed, with the dK/dV kernel's pairs, peeled diagonal and
+    pipelined dK MMA off; the unwindowed Gluon launches have HAS_WINDOW off, and the case's TUNE is gone after it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
+            "from hf_deltamatch.kernels import launch\n"
+            "cases = S.default_cases()\n"
+            "for name in ('d128-window', 'd128-gluon-window-h4:4-n8192', 'd64-gluon-window-h16:4-n8000',\n"
+            "             'd128-gluon-window-packed', 'd128-causal-h4:4-n8192-fp8-matching'):\n"
+            "    print(name, [(S.KERNELS[fn.__name__], cx.get('HAS_WINDOW'), cx.get('VARLEN'),\n"
+            "                  (cx.get('PAIRS'), cx.get('PEEL'), cx.get('PIPE')))\n"
+            "                 for fn, cx, *_ in S.record_launches(cases[name])], dict(launch.TUNE))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = dict(ln.split(" ", 1) for ln in res.stdout.splitlines())
+    none = (None, None, None)
+    assert got["d128-window"] == str([("fwd", True, False, none), ("dq", True, False, none),
+                                      ("dkdv", True, False, none)]) + " {}"
+    for name, varlen in (("d128-gluon-window-h4:4-n8192", False), ("d64-gluon-window-h16:4-n8000", True),
+                         ("d128-gluon-window-packed", True)):
+        want = [("hopper_fwd", True, varlen, none), ("hopper_dq", True, varlen, (None, None, False)),
+                ("hopper", True, varlen, (False, False, 0))]
+        assert got[name] == str(want) + " {}", (name, got[name])
+    plain = eval(got["d128-causal-h4:4-n8192-fp8-matching"].rsplit(" {", 1)[0])  # noqa: S307  (our own output)
+    assert [k[:2] for k in plain] == [("hopper_fwd", False), ("hopper_dq", False), ("hopper", False)]

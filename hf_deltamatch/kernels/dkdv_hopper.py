@@ -4,10 +4,10 @@ The same contract and arithmetic as `_bwd_dkdv_kernel` (backward.py) with PART 0
 P_SHIFT = 8, for its common case only (launch._dkdv_hopper says when): fp8 e4m3, Dqk = Dv in (64, 128), no
 window (HAS_WINDOW: a causal sliding window, with launch.HOPPER_WINDOW: the query tiles end at the last query whose
 window holds the program's last key, each warpgroup skips those past its own keys' windows and masks those the
-window's edge cuts), N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its sequences
-padded to multiples of 128 rows by kernels.segments, LSE2, delta and the dS scales where the dQ kernel put them;
-dK, dV to the packed rows; also a dense batch of N not a multiple of 128, each head one such sequence, causal or
-full: launch.HOPPER_RAGGED; padded keys are never stored, and padded query rows have P = 0 from their -inf LSE).
+window's edge cuts), N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its
+sequences padded to multiples of 128 rows by kernels.segments, LSE2, delta and the dS scales where the dQ kernel put
+them; dK, dV to the packed rows; also a dense batch of N not a multiple of 128, each head one such sequence, causal
+or full: launch.HOPPER_RAGGED; padded keys are never stored, and padded query rows have P = 0 from their -inf LSE).
 
 Why a second dK/dV kernel: Triton compiles `_bwd_dkdv_kernel` into one stream in which both warpgroups meet
 at CTA barriers for every query tile and ptxas serializes its wgmmas (docs/kernels.md); the softmax of one
@@ -346,8 +346,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                 s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                     k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + u,
                     g, i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N,
-                    dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end, window,
-                    GROUPS, STAGES, CAUSAL, WGS, u == 0, AHEAD, DIAG, PIPE, HAS_WINDOW)
+                    dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end,
+                    window, GROUPS, STAGES, CAUSAL, WGS, u == 0, AHEAD, DIAG, PIPE, HAS_WINDOW)
     else:
         for t in range(t0, GROUPS * n_q):
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
@@ -494,7 +494,8 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
-        int(window) if window is not None else 0, GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None,
+        int(window) if window is not None else 0,
+        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None,
         WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead),
         PIPE=pipe_mode(pipe, fresh_dp), HAS_WINDOW=window is not None,
         num_warps=4,

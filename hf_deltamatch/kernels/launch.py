@@ -18,8 +18,8 @@ from ._fp8 import INTERPRET
 # "dkdv" (warps, stages), f"{k}_maxnreg" (ptxas register cap), "fwd_tma" / "dq_tma", "dkdv_lse2", "dkdv_p256".
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
-# on packed batches), "hopper_ragged" (on dense batches of N not a multiple of 128) and "hopper_window" (on causal sliding
-# windows). The q/k quantization pass with
+# on packed batches), "hopper_ragged" (on dense batches of N not a multiple of 128) and "hopper_window" (on causal
+# sliding windows). The q/k quantization pass with
 # the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where its default is
 # defined below.
 TUNE: dict = {}

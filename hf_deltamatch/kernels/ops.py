@@ -513,7 +513,8 @@ def _backward_padded(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
     or not), through the Gluon kernels (backward() checked the case): every input copied into seg's padded layout
     (segments.py: LSE padded with -inf, so a padded row's P is 0; dO quantized straight into it) but a dense batch's
     q8, k8, v8, which are in it already (_padded_view); dq, dk, dv written to their packed rows. LSE2, delta and the
-    dS scales stay in the padded layout between the two kernels. window: a causal sliding window (launch.HOPPER_WINDOW)."""
+    dS scales stay in the padded layout between the two kernels. window: a causal sliding window
+    (launch.HOPPER_WINDOW)."""
     from .dkdv_hopper import dkdv_hopper
     from .dq_hopper import dq_hopper
     B, Hq, _, D = q8.shape
