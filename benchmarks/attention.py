@@ -19,14 +19,18 @@ Results go to <out>/attention-<date>-<gpu>.json and .md; the markdown is printed
   python benchmarks/attention.py --dry-run       # CPU smoke test of the code path and writers, no timing claims
   python benchmarks/attention.py --quick --qk-transforms --ops dm-fp8-matching,sdpa-cudnn
                                                  # + the cost of qk_rotation / smooth_k vs dm-fp8-matching
+  python benchmarks/attention.py --shapes window4096,window128 --ops dm-fp8-matching,flex \
+      [--tune "{'hopper_window': True}"]        # sliding windows: the Triton kernels, or the Gluon ones
 
-Conventions (shared/ANCHORS.md): FLOPs fwd = 4*B*Hq*N^2*D (halved for causal), bwd = 2.5x, fwd+bwd = 3.5x;
+Conventions (shared/ANCHORS.md): FLOPs fwd = 4*B*Hq*N^2*D (halved for causal; with a sliding window of W keys
+4*B*Hq*D times the (query, key) pairs it shows, W*N - W*(W-1)/2), bwd = 2.5x, fwd+bwd = 3.5x;
 times are triton.testing.do_bench medians with the L2 flushed before each run.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import datetime
@@ -68,11 +72,13 @@ class Shape:
     N: int
     D: int
     causal: bool
+    window: int | None = None  # a causal sliding window: each query sees its `window` most recent keys
 
     @property
     def label(self) -> str:
         heads = f"H{self.Hq}" if self.Hq == self.Hkv else f"H{self.Hq}/{self.Hkv}"
-        return f"B{self.B} {heads} N{self.N} D{self.D} {'causal' if self.causal else 'full'}"
+        window = f" window {self.window}" if self.window is not None else ""
+        return f"B{self.B} {heads} N{self.N} D{self.D} {'causal' if self.causal else 'full'}{window}"
 
 
 # ANCHORS.md: B*N = 16384 tokens, hidden 2048 -> Hq = 2048 / D. N = 65536 runs at B = 1 (as ANCHORS.md).
@@ -87,6 +93,10 @@ PRESETS = {
     "gptoss": Shape("gptoss", 2, 32, 4, 8192, 64, True),  # gpt-oss's head dim and 8:1 GQA (with --sinks)
     # N not a multiple of 128 (issue #32): the Gluon kernels' padded path (launch.HOPPER_RAGGED); B*N = 16000
     "ragged": Shape("ragged", 2, 16, 16, 8000, 128, True),
+    # sliding windows (issue #32): Mistral's 4096 and gpt-oss's 128 at 8K; the Gluon kernels with --tune
+    # "{'hopper_window': True}" (launch.HOPPER_WINDOW, off by default), the Triton kernels without
+    "window4096": Shape("window4096", 2, 16, 16, 8192, 128, True, 4096),
+    "window128": Shape("window128", 2, 16, 16, 8192, 128, True, 128),
 }
 QUICK = ["n8192c"]
 # Dry run (CPU, reference backend): GQA + causal, and full attention with a short last tile.
@@ -105,12 +115,13 @@ ANCHOR_NAMES = {"fa4": "FA4 est.", "cudnn-fp8": "cuDNN FP8 est."}
 
 
 def parse_shape(token: str) -> Shape:
-    """A preset name, or a custom shape like `B2-H16-KV4-N8192-D128-causal` (KV defaults to H; `full`)."""
+    """A preset name, or a custom shape like `B2-H16-KV4-N8192-D128-causal` (KV defaults to H; `full`; `W4096`: a
+    causal sliding window of 4096 keys)."""
     if token in PRESETS:
         return PRESETS[token]
     fields = {"causal": True}
     for part in token.split("-"):
-        m = re.fullmatch(r"(B|H|KV|N|D)(\d+)", part, flags=re.IGNORECASE)
+        m = re.fullmatch(r"(B|H|KV|N|D|W)(\d+)", part, flags=re.IGNORECASE)
         if m:
             fields[m.group(1).upper()] = int(m.group(2))
         elif part.lower() in ("causal", "full"):
@@ -124,11 +135,18 @@ def parse_shape(token: str) -> Shape:
     hkv = fields.get("KV", fields["H"])
     if fields["H"] % hkv:
         raise ValueError(f"shape {token!r}: H ({fields['H']}) must be a multiple of KV ({hkv})")
-    return Shape(token, fields["B"], fields["H"], hkv, fields["N"], fields["D"], fields["causal"])
+    if "W" in fields and not (fields["causal"] and fields["W"] >= 1):
+        raise ValueError(f"shape {token!r}: a window (W) needs causal and W >= 1")
+    return Shape(token, fields["B"], fields["H"], hkv, fields["N"], fields["D"], fields["causal"], fields.get("W"))
 
 
 def attention_flops(shape: Shape) -> dict:
-    """FlashAttention convention: fwd = 4*B*Hq*N^2*D (halved for causal), bwd = 2.5 fwd, fwd+bwd = 3.5 fwd."""
+    """FlashAttention convention: fwd = 4*B*Hq*N^2*D (halved for causal), bwd = 2.5 fwd, fwd+bwd = 3.5 fwd; with a
+    sliding window of W keys, 4*B*Hq*D times the pairs it shows (W*N - W*(W-1)/2, for W <= N)."""
+    if shape.window is not None:
+        w = min(shape.window, shape.N)
+        fwd = 4.0 * shape.B * shape.Hq * shape.D * (w * shape.N - w * (w - 1) / 2)
+        return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}
     fwd = 4.0 * shape.B * shape.Hq * shape.N * shape.N * shape.D * (0.5 if shape.causal else 1.0)
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}
 
@@ -235,22 +253,30 @@ def build_op(name: str, shape: Shape, q, k, v, do, args):
         from hf_deltamatch import DeltaMatchConfig, deltamatch_attention
 
         cfg = DeltaMatchConfig(backend=args.backend, **DM_OPS[name])
+        if name in SINK_OPS and shape.window is not None:
+            raise Skip("sinks with a sliding window: the reference (_with_sink_key) has no window")
         sinks = make_sinks(shape, device, args.seed) if name in SINK_OPS else None
-        return (lambda q, k, v: deltamatch_attention(q, k, v, causal=shape.causal, config=cfg, sinks=sinks),
+        return (lambda q, k, v: deltamatch_attention(q, k, v, causal=shape.causal, window=shape.window, config=cfg,
+                                                     sinks=sinks),
                 {"config": dataclasses.asdict(cfg), **({"sinks": "fp32 (Hq,), d sinks in every backward"}
                                                       if sinks is not None else {})})
     if name == "sdpa-math":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        mask = window_mask(shape, device)
+
         def fwd(q, k, v):
             with sdpa_kernel(SDPBackend.MATH):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=shape.causal,
-                                                                        enable_gqa=gqa)
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=shape.causal and mask is None, enable_gqa=gqa)
         return fwd, {"gqa": "enable_gqa=True" if gqa else None}
     if device.type != "cuda":
         raise Skip("CUDA-only baseline; --dry-run runs on the CPU")
     if name in ("sdpa-flash", "sdpa-cudnn"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if shape.window is not None:
+            raise Skip("no sliding window in SDPA's flash and cuDNN backends (Flex has one)")
 
         backend = SDPBackend.FLASH_ATTENTION if name == "sdpa-flash" else SDPBackend.CUDNN_ATTENTION
 
@@ -279,7 +305,11 @@ def build_op(name: str, shape: Shape, q, k, v, do, args):
 
         flex = _compiled_flex()
         block_mask = None
-        if shape.causal:
+        if shape.window is not None:
+            def window_mask_mod(b, h, q_idx, kv_idx):
+                return (q_idx >= kv_idx) & (q_idx - kv_idx < shape.window)
+            block_mask = create_block_mask(window_mask_mod, None, None, shape.N, shape.N, device=device)
+        elif shape.causal:
             def causal_mask(b, h, q_idx, kv_idx):
                 return q_idx >= kv_idx
             block_mask = create_block_mask(causal_mask, None, None, shape.N, shape.N, device=device)
@@ -307,17 +337,29 @@ def _with_sink_key(q, k, v, sinks, scale):
     return q, k, v
 
 
+def window_mask(shape: Shape, device):
+    """The boolean (N, N) mask of the shape's sliding window (True: seen; query i sees keys i - window < j <= i), or
+    None without one."""
+    if shape.window is None:
+        return None
+    i = torch.arange(shape.N, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - shape.window)
+
+
 def reference_fwd_bwd(shape: Shape, q, k, v, do, sinks=None):
     """out, (dq, dk, dv) of exact attention on the same (bf16-valued) inputs, and a description.
 
     CUDA: fp32 through SDPA's memory-efficient backend (fp32-capable, O(N) memory, so N = 65536 fits), KV heads
     repeated for GQA (autograd sums dk/dv over the group). Falls back to SDPA cuDNN then flash in BF16 if that
     fails. CPU: float64 through the math backend. With sinks: the same attention with the sinks as one more
-    key (_with_sink_key).
+    key (_with_sink_key). A sliding window: its boolean mask (window_mask), not with sinks.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     groups = shape.Hq // shape.Hkv
+    mask = window_mask(shape, q.device)
+    if mask is not None and sinks is not None:
+        raise ValueError("the reference with sinks has no sliding window (_with_sink_key)")
     if q.device.type == "cuda":
         attempts = [(torch.float32, SDPBackend.EFFICIENT_ATTENTION, "fp32, SDPA mem-efficient backend"),
                     (torch.bfloat16, SDPBackend.CUDNN_ATTENTION, "BF16 SDPA cuDNN (fp32 reference failed)"),
@@ -339,7 +381,8 @@ def reference_fwd_bwd(shape: Shape, q, k, v, do, sinks=None):
                             *_with_sink_key(qq, kk, vv, sinks.detach(), scale), is_causal=shape.causal,
                             scale=scale)[:, :, 1:]
                 with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=shape.causal)
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qq, kk, vv, attn_mask=mask, is_causal=shape.causal and mask is None)
 
             out, grads = _call_collecting_warnings(lambda: fwd_bwd(fwd, qr, kr, vr, do.to(dtype)))
             return out.detach(), [g.detach() for g in grads], label, failures
@@ -851,6 +894,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-correctness", action="store_true", help="no reference, no error columns")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="list the presets and exit")
+    p.add_argument("--tune", default="{}",
+                   help="a hf_deltamatch.kernels.TUNE dict for the whole run, e.g. \"{'hopper_window': True}\" (the "
+                        "Gluon kernels' sliding windows, launch.HOPPER_WINDOW); recorded in the report")
     return p.parse_args(argv)
 
 
@@ -890,6 +936,11 @@ def main(argv=None) -> int:
     if args.dry_run and DRY_RUN_BASE not in ops:
         ops.append(DRY_RUN_BASE)
     args.ratio_base = DRY_RUN_BASE if args.dry_run else "sdpa-cudnn"
+    tune = ast.literal_eval(args.tune)
+    if tune:
+        from hf_deltamatch import kernels as hk
+        hk.TUNE.update(tune)
+        hk.launch._check_tune()
     args.cuda_broken = None  # set once a sticky CUDA error makes every later measurement meaningless
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -903,6 +954,7 @@ def main(argv=None) -> int:
             "date": now.strftime("%Y-%m-%d %H:%M UTC"),
             "dry_run": args.dry_run,
             "ratio_base": args.ratio_base,
+            "tune": tune,
             "backend": args.backend,
             "argv": sys.argv[1:] if argv is None else list(argv),
             "ops": ops,

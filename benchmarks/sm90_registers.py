@@ -13,12 +13,13 @@ compile to byte accesses and nothing pipelines.
 
 --hash FILE records, for every default path of the package (Triton and Gluon forward, dQ and dK/dV; D 64, 128,
 256 and MLA's 192/128; causal, full and windowed masks; GQA; dense N = 8192 (the Gluon kernels' case) and
-N = 8000 (the Triton kernels'); packed and other varlen batches; fp8 and bf16 precision; e5m2 gradients; block 64;
-matching and stale delta; and, behind its TUNE key, the Gluon forward at D=256 and 192/128), the kernels
-ops.forward and ops.backward launch and a hash of each one's sm_90 SASS,
-one line per (case, kernel): a refactor of the kernels or launch.py that leaves every default alone leaves the
-hashes unchanged (compare the first six columns, `cut -d' ' -f1-6`; the constexprs after them name the kernels'
-options). The launches are recorded from ops.py itself (no kernel runs: every launch is caught before it
+N = 8000 (ragged: their padded variant); packed and other varlen batches; fp8 and bf16 precision; e5m2 gradients; block 64;
+matching and stale delta), and after them the options behind TUNE keys, off by default: the Gluon forward at D=256
+and 192/128 (cases named *-fwd-wide) and the Gluon kernels' sliding-window variants (*-gluon-window-*), the kernels
+ops.forward and ops.backward launch and a hash of each one's sm_90 SASS, one line per (case, kernel): a refactor of
+the kernels or launch.py that leaves every default alone leaves the hashes unchanged (compare the first six columns,
+`cut -d' ' -f1-6`; the constexprs after them name the kernels' options). The launches are recorded from ops.py
+itself (no kernel runs: every launch is caught before it
 reaches a GPU), with the Gluon kernels' conditions (an sm_90 device, Triton 3.6) answered as on the H200.
 
 --loops adds, per innermost loop of the SASS (a backward branch's body: about one per key- or query-tile range,
@@ -371,13 +372,21 @@ def default_cases():
         for hq, hkv in ((4, 4), (16, 4)):
             cases[f"d256-{mask}-h{hq}:{hkv}-fwd-wide"] = dict(d=256, causal=causal, hq=hq, hkv=hkv, n=8192, tune=wide)
         cases[f"mla-192:128-{mask}-fwd-wide"] = dict(d=192, dv=128, causal=causal, hq=4, hkv=4, n=8192, tune=wide)
+    # the Gluon kernels' sliding windows (launch.HOPPER_WINDOW, off by default): dense, ragged and packed batches
+    for d in (64, 128):
+        for hq, hkv in ((4, 4), (16, 4)):
+            for n in (8192, 8000):
+                cases[f"d{d}-gluon-window-h{hq}:{hkv}-n{n}"] = dict(d=d, causal=True, hq=hq, hkv=hkv, n=n, window=1024,
+                                                                    tune=dict(hopper_window=True))
+        cases[f"d{d}-gluon-window-packed"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000),
+                                                  window=1024, tune=dict(hopper_window=True))
     return cases
 
 
 def record_launches(case):
     """[(kernel function, constexprs, warps, stages, maxnreg)] that ops.forward then ops.backward launch for `case`
-    (default_cases), with kernels.TUNE as it stands and the case's "tune" on top. CPU tensors stand in for the
-    GPU's; JITFunction.run records
+    (default_cases), with kernels.TUNE as it stands and the case's "tune" on top. CPU tensors stand in for the GPU's;
+    JITFunction.run records
     each launch and returns without running it, and launch._hopper_case sees an sm_90 device and Triton 3.6."""
     import torch
     from triton.runtime.jit import JITFunction
@@ -399,8 +408,8 @@ def record_launches(case):
             triton.__version__ = saved
 
     saved = JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability
+    saved_tune = dict(K.TUNE)
     JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = run, sm90_case, lambda *a: (9, 0)
-    tune = dict(K.TUNE)
     K.TUNE.update(case.get("tune", {}))
     try:
         d, dv, n = case["d"], case.get("dv", case["d"]), case["n"]
@@ -422,7 +431,7 @@ def record_launches(case):
     finally:
         JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = saved
         K.TUNE.clear()
-        K.TUNE.update(tune)
+        K.TUNE.update(saved_tune)
     return launches
 
 
@@ -456,6 +465,8 @@ def main():
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--full", action="store_true", help="the full mask instead of causal")
     p.add_argument("--groups", type=int, default=1, help="query heads per KV head (GQA)")
+    p.add_argument("--window", action="store_true", help="the Gluon kernels' sliding-window variant (HAS_WINDOW, "
+                                                         "causal; launch.HOPPER_WINDOW)")
     p.add_argument("--varlen", action="store_true", help="the Gluon kernels' packed-batch variant (causal; with "
                                                           "--full the ragged dense batches' full-mask one)")
     p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) and PTX to, "
@@ -518,7 +529,8 @@ def main():
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel, pipe_mode
             if args.dkdv_pipe:  # launch refuses the pipelined MMA under some ptxas: decide it here instead
                 K.TUNE["dkdv_hopper_pipe"] = False
-            cfg = KL._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen)
+            cfg = KL._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen,
+                                      window=args.window)
             if args.dkdv_pipe:
                 cfg["pipe"], cfg["fresh_dp"] = args.dkdv_pipe != "off", args.dkdv_pipe == "fresh"
             jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
@@ -527,21 +539,23 @@ def main():
                                                             REGS=cfg["regs"],
                                                             PAIRS=cfg["pairs"], PEEL=cfg["peel"],
                                                             AHEAD=cfg["ahead"],
-                                                            PIPE=pipe_mode(cfg["pipe"], cfg["fresh_dp"])), 4, 1)
+                                                            PIPE=pipe_mode(cfg["pipe"], cfg["fresh_dp"]),
+                                                            HAS_WINDOW=args.window), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
             cfg = KL._dq_hopper_cfg(args.d, causal, padded=args.varlen)
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
                 GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=cfg["stages"],
                 SCALE_AFTER_SUM=KL._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
-                VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"]), 4, 1)
+                VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"], HAS_WINDOW=args.window), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py); HEAD_D is Dv
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
             dv = args.dv or args.d
             cfg = KL._fwd_hopper_cfg(dv)
             jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=dv, CAUSAL=causal,
                                                            STAGES=cfg["stages"], VARLEN=args.varlen,
-                                                           REGS=cfg["regs"], NWG=cfg["warpgroups"]), 4, 1)
+                                                           REGS=cfg["regs"], NWG=cfg["warpgroups"],
+                                                           HAS_WINDOW=args.window), 4, 1)
         for name in args.kernels.split(","):
             fn, cx, w, s = jobs[name]
             u = usage(fn, cx, w, s, KL._maxnreg(name).get("maxnreg"), dqk=args.d)

@@ -230,3 +230,34 @@ def test_triton_versions_script_control_flow(tmp_path):
     env.pop("OUT", None)
     proc = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+def test_window_presets_and_dry_run(bench, tmp_path):
+    """The sliding-window presets (issue #32: W 4096 and 128 at 8K): FLOPs counted over the pairs the window shows
+    (W = N: the causal count plus the diagonal's N/2 pairs), `W<n>` in custom shapes, and a dry run whose errors are
+    taken against exact attention with the window's mask (FP8-level; against the plain causal mask they would be
+    tens of percent), with --tune recorded."""
+    for name, w in (("window4096", 4096), ("window128", 128)):
+        s = bench.PRESETS[name]
+        assert (s.B, s.Hq, s.N, s.D, s.causal, s.window) == (2, 16, 8192, 128, True, w)
+        assert bench.attention_flops(s)["fwd"] == 4 * 2 * 16 * 128 * (w * 8192 - w * (w - 1) / 2)
+    full = bench.parse_shape("B1-H2-N64-D32-W64")
+    assert bench.attention_flops(full)["fwd"] == bench.attention_flops(bench.parse_shape("B1-H2-N64-D32"))["fwd"] \
+        + 4 * 2 * 32 * 64 / 2
+    with pytest.raises(ValueError, match="causal"):
+        bench.parse_shape("B1-H2-N64-D32-full-W16")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--ops",
+                           "dm-fp8-matching", "--shapes", "B1-H4-KV2-N192-D32-W40", "--tune", "{'fwd_tma': False}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("attention-*-cpu.json")
+    report = json.loads(json_path.read_text())
+    assert report["meta"]["tune"] == {"fwd_tma": False}
+    (shape,) = report["shapes"]
+    assert shape["shape"]["window"] == 40 and "window 40" in shape["label"]
+    for name in ("dm-fp8-matching", "sdpa-math"):
+        res = shape["ops"][name]
+        assert res["status"] == "ok" and res["check"] == "ok", (name, res)
+    assert 0.005 < max(shape["ops"]["dm-fp8-matching"]["err"].values()) < 0.11
+    # SDPA math in bf16 with the same mask as the float64 reference: bf16 rounding only
+    assert max(shape["ops"]["sdpa-math"]["err"].values()) < 5e-3

@@ -825,3 +825,59 @@ def test_gluon_kernels_only_where_they_apply():
     want = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_gluon_window_dispatch(monkeypatch):
+    """A causal sliding window on the Gluon kernels (launch.HOPPER_WINDOW, off until their GPU tests pass on the
+    H200: tests/test_kernels_gpu.py::test_hopper_window): off, _hopper_why_not names the switch; on (TUNE
+    ["hopper_window"] or HOPPER_WINDOW), a window is no reason against them on dense batches (any N) or packed ones,
+    while every other condition still holds; the dK/dV kernel's options drop the pairs, the peeled diagonal and the
+    pipelined dK MMA for it, and refuse them when asked for. The full mask has no window (ops passes None)."""
+    import types
+
+    import triton
+
+    monkeypatch.setattr(KL, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
+    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+    base = dict(fp8=True, e4m3=True, dqk=128, dv=128, block=128, varlen=False, window=1024, n=8192, m=8192,
+                device=types.SimpleNamespace(type="cuda"), lse2_in=True, p_shift=8, causal=True)
+
+    def why(**change):
+        return KL._hopper_why_not(**{**base, **change})
+
+    assert not KL.HOPPER_WINDOW
+    assert "sliding window" in why() and "hopper_window" in why() and why(window=None) is None
+    assert "sliding window" in why(varlen=True, packed=True)
+    K.TUNE["hopper_window"] = True
+    try:
+        for n in (8192, 8000, 200):
+            for window in (1, 128, 1000, 4096, 100000):
+                assert why(n=n, m=n, window=window) is None
+        assert why(varlen=True, packed=True) is None
+        for change, phrase in ((dict(block=64), "block=64"), (dict(dqk=256, dv=256), "Dqk=256"),
+                               (dict(m=4096), "N != M"), (dict(varlen=True), "varlen"), (dict(e4m3=False), "e5m2")):
+            assert phrase in why(**change), change
+        fwd = {k: base[k] for k in ("fp8", "dqk", "dv", "block", "varlen", "window", "n", "m", "device", "causal")}
+        assert KL._fwd_hopper(128, **fwd) and KL._dq_hopper(128, stale=False, **base) and KL._dkdv_hopper(128, **base)
+    finally:
+        K.TUNE.clear()
+    monkeypatch.setattr(KL, "HOPPER_WINDOW", True)
+    assert why() is None
+    for d in (64, 128):
+        for groups in (1, 4):
+            for packed in (False, True):
+                plain = KL._dkdv_hopper_cfg(d, causal=True, groups=groups, packed=packed)
+                cfg = KL._dkdv_hopper_cfg(d, causal=True, groups=groups, packed=packed, window=True)
+                assert not (cfg["pairs"] or cfg["peel"] or cfg["pipe"]), (d, groups, packed, cfg)
+                assert {k: v for k, v in cfg.items() if k not in ("pairs", "peel", "pipe", "fresh_dp")} == \
+                    {k: v for k, v in plain.items() if k not in ("pairs", "peel", "pipe", "fresh_dp")}
+    assert KL._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)["peel"]  # what the window turns off
+    for key in ("dkdv_hopper_pairs", "dkdv_hopper_peel", "dkdv_hopper_pipe"):
+        K.TUNE[key] = True
+        try:
+            with pytest.raises(ValueError, match="sliding window"):
+                KL._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False, window=True)
+        finally:
+            K.TUNE.clear()

@@ -492,25 +492,30 @@ def test_hopper_packed(cu, D, tune):
         K.TUNE.clear()
 
 
-def _gluon_launches(monkeypatch):
+def _gluon_launches(monkeypatch, windows=None):
     """The Gluon kernels' launches from here on, as [(launcher, its segments argument)]: their host launchers are
-    wrapped and called through (ops.py imports them at each call), so a test sees which kernels really ran."""
+    wrapped and called through (ops.py imports them at each call), so a test sees which kernels really ran. windows:
+    a list that gets each launch's window argument."""
     from hf_deltamatch.kernels import dkdv_hopper, dq_hopper, fwd_hopper
     calls = []
     for mod, name in ((fwd_hopper, "fwd_hopper"), (dq_hopper, "dq_hopper"), (dkdv_hopper, "dkdv_hopper")):
         def launch(*args, _real=getattr(mod, name), _name=name, **kwargs):
             calls.append((_name, kwargs.get("segments")))
+            if windows is not None:
+                windows.append(kwargs.get("window"))
             return _real(*args, **kwargs)
         monkeypatch.setattr(mod, name, launch)
     return calls
 
 
-def _exact(q, k, v, do, causal):
-    """Exact attention in float64 (SDPA's math on the GPU): out and (dq, dk, dv), GQA by repeating k, v."""
+def _exact(q, k, v, do, causal, mask=None):
+    """Exact attention in float64 (SDPA's math on the GPU): out and (dq, dk, dv), GQA by repeating k, v. mask: a
+    boolean (N, M) mask (True: seen) instead of `causal`'s."""
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     o = torch.nn.functional.scaled_dot_product_attention(qd, kd.repeat_interleave(groups, 1),
-                                                         vd.repeat_interleave(groups, 1), is_causal=causal)
+                                                         vd.repeat_interleave(groups, 1), attn_mask=mask,
+                                                         is_causal=causal and mask is None)
     o.backward(do.double())
     return o, (qd.grad, kd.grad, vd.grad)
 
@@ -803,3 +808,131 @@ def test_tokens_outside_sequences_are_zero_and_tma_matches_pointers():
             results.append([out[0][:, :, :2720], out[1][:, :, :2720], *grads])
         for a, b in zip(*results):
             assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def _window_mask(N, window, cu=None):
+    """The boolean (N, N) mask of a causal sliding window (True: seen): key j for query i when i - window < j <= i,
+    and with `cu` (packed sequences) j in i's sequence; tokens outside every sequence see themselves only."""
+    i = torch.arange(N, device="cuda")
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    if cu is not None:
+        seq = torch.bucketize(i, torch.tensor(cu[1:], device="cuda"), right=True)
+        seq[i >= cu[-1]] = -1 - i[i >= cu[-1]]
+        mask &= seq[None, :] == seq[:, None]
+    return mask
+
+
+def _gluon_vs_triton_window(q, k, v, do, kw, window, calls, windows):
+    """The Gluon kernels with TUNE["hopper_window"] on against the Triton kernels (off) on the same inputs, forward and
+    backward (with delta): ({name: (forward results, backward results)}, the Gluon run's launches). The Gluon run
+    must launch the three Gluon kernels, each given the window; the Triton run none."""
+    runs, launched = {}, []
+    for name, on in (("gluon", True), ("triton", False)):
+        K.TUNE.update(hopper_window=on)
+        calls.clear()
+        windows.clear()
+        try:
+            f = K.forward(q, k, v, **kw)
+            runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, return_delta=True))
+        finally:
+            K.TUNE.clear()
+        if on:  # the comparison proves nothing unless the Gluon kernels ran, windowed
+            assert [c for c, _ in calls] == ["fwd_hopper", "dq_hopper", "dkdv_hopper"], calls
+            assert windows == [window] * 3, windows
+            launched = list(calls)
+        else:
+            assert calls == [], calls
+    return runs, launched
+
+
+def _check_window_runs(runs, tag, exact, end=None):
+    """test_hopper_ragged's bounds on a windowed pair of runs (_gluon_vs_triton_window), over the tokens before `end`:
+    the Gluon forward within 1e-3 of the Triton one (LSE 1e-4), the saved tensors bit for bit, dq/dk/dv/delta within
+    1e-3, all finite; against exact float64 attention (`exact`: _exact's out and gradients) within 5 % + 1e-3 of the
+    Triton kernels' error and under 1e-1 (out) / 2e-1 (gradients)."""
+    cut = (lambda t: t[:, :, :end]) if end is not None else (lambda t: t)
+    (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
+    err, lse_err = _rel(cut(fg[0]), cut(ft[0])), (cut(fg[1]) - cut(ft[1])).abs().max().item()
+    errs = [_rel(cut(a), cut(b)) for a, b in zip(gg, gt)]
+    print(f"GLUON WINDOW vs TRITON {tag}: out {err:.3g} lse {lse_err:.3g} dq/dk/dv/delta",
+          [float(f"{e:.3g}") for e in errs])
+    assert err < 1e-3 and lse_err < 1e-4, (err, lse_err)
+    for a, b in zip(fg[2:], ft[2:]):  # q8, k8, v8 and their scales: the same quantization
+        assert a.shape == b.shape and torch.equal(a.float(), b.float())
+    assert max(errs) < 1e-3, errs
+    for t in (fg[0], *gg):
+        assert torch.isfinite(t).all()
+    o, grads = exact
+    errs_exact = {name: [_rel(cut(f_[0]), cut(o))] + [_rel(cut(a), cut(b)) for a, b in zip(g_[:3], grads)]
+                  for name, (f_, g_) in runs.items()}
+    print(f"WINDOW vs EXACT {tag}: out/dq/dk/dv",
+          {name: [float(f"{e:.3g}") for e in errs_] for name, errs_ in errs_exact.items()})
+    for eg, et in zip(errs_exact["gluon"], errs_exact["triton"]):
+        assert eg <= 1.05 * et + 1e-3, errs_exact
+    assert errs_exact["gluon"][0] < 1e-1 and max(errs_exact["gluon"][1:]) < 2e-1, errs_exact
+
+
+@pytest.mark.parametrize("window", [128, 1000, 4096])
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("N", [8192, 8000])
+def test_hopper_window(N, D, window, monkeypatch):
+    """Causal sliding windows on the Gluon kernels (launch.HOPPER_WINDOW / TUNE["hopper_window"]: HAS_WINDOW in
+    fwd_hopper, dq_hopper, dkdv_hopper) at N = 8192 and a ragged N = 8000 (their padded variant), D 128 and 64, GQA
+    and MHA, B = 2; windows of 128 (gpt-oss: shorter than a forward program's 192 queries), 1000 (edges mid-tile) and
+    4096 (Mistral):
+      - with the switch on, the Gluon forward, dQ and dK/dV kernels launch, each given the window; off, none;
+      - Gluon against Triton and both against exact float64 attention with the window's mask: _check_window_runs
+        (test_hopper_ragged's bounds);
+      - the switch on through _compare (the kernels' own saved tensors and the reference's) against the reference
+        backend, 2e-2 (test_hopper_ragged's bound at N > 4096: QGMMA's accumulation over N queries)."""
+    skip_unless_gluon_triton()
+    windows = []
+    calls = _gluon_launches(monkeypatch, windows)
+    mask = _window_mask(N, window)
+    for Hq, Hkv in ((4, 2), (4, 4)):
+        q, k, v, do = _inputs(2, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=13)
+        kw = dict(causal=True, softmax_scale=D ** -0.5, window=window, cu_seqlens_q=None, cu_seqlens_k=None,
+                  config=DeltaMatchConfig())
+        runs, launched = _gluon_vs_triton_window(q, k, v, do, kw, window, calls, windows)
+        for _, seg in launched:  # N = 8000: the dense layout of the padded variant (ops._dense_layout)
+            if N % 128:
+                assert seg.cu.tolist() == [0, N] and seg.pcu.tolist() == [0, -(-N // 128) * 128], seg
+            else:
+                assert seg is None, seg
+        _check_window_runs(runs, f"N{N} D{D} H{Hq}/{Hkv} window {window}", _exact(q, k, v, do, True, mask))
+    calls.clear()
+    windows.clear()
+    K.TUNE.update(hopper_window=True)
+    try:
+        _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=D, window=window, tol=2e-2)
+    finally:
+        K.TUNE.clear()
+    assert [c for c, _ in calls].count("fwd_hopper") == 1 and "dkdv_hopper" in [c for c, _ in calls], calls
+    assert windows == [window] * len(calls), windows
+
+
+@pytest.mark.parametrize("window", [128, 300])
+@pytest.mark.parametrize("D", [128, 64])
+def test_hopper_window_packed(D, window, monkeypatch):
+    """Causal sliding windows on the Gluon kernels' packed batches (kernels/segments.py; launch.HOPPER_WINDOW):
+    sequences of 1000, 1 (each window restarts at its sequence's start), 1999 and 1096 tokens, GQA and MHA, D 128 and
+    64: _gluon_vs_triton_window and _check_window_runs (exact attention with the window's mask inside each
+    sequence), then the switch on through _compare against the reference backend."""
+    skip_unless_gluon_triton()
+    windows = []
+    calls = _gluon_launches(monkeypatch, windows)
+    N, cu = 4096, [0, 1000, 1001, 3000, 4096]
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    mask = _window_mask(N, window, cu)
+    for Hq, Hkv in ((4, 2), (4, 4)):
+        q, k, v, do = _inputs(1, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=17)
+        kw = dict(causal=True, softmax_scale=D ** -0.5, window=window, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
+                  config=DeltaMatchConfig())
+        runs, launched = _gluon_vs_triton_window(q, k, v, do, kw, window, calls, windows)
+        assert all(seg is not None for _, seg in launched), launched  # the packed batches' padded layout
+        _check_window_runs(runs, f"packed D{D} H{Hq}/{Hkv} window {window}", _exact(q, k, v, do, True, mask))
+    K.TUNE.update(hopper_window=True)
+    try:
+        _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu, window=window)
+    finally:
+        K.TUNE.clear()

@@ -280,3 +280,64 @@ def test_hash_records_the_wide_forward():
         cx = dict(wide[0][1])
         assert cx["HEAD_D"] == dv and cx["NWG"] == nwg and not cx["VARLEN"], cx
         assert wide[1:] == base[1:], name
+
+
+def test_hash_records_the_window_launches():
+    """record_launches on the sliding-window cases: a causal window takes the Triton kernels by default
+    (launch.HOPPER_WINDOW off) and, with the case's TUNE hopper_window, the three Gluon kernels with HAS_WINDOW, dense
+    (N = 8192), ragged (N = 8000: their padded variant) and packed, with the dK/dV kernel's pairs, peeled diagonal and
+    pipelined dK MMA off; the unwindowed Gluon launches have HAS_WINDOW off, and the case's TUNE is gone after it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
+            "from hf_deltamatch.kernels import launch\n"
+            "cases = S.default_cases()\n"
+            "for name in ('d128-window', 'd128-gluon-window-h4:4-n8192', 'd64-gluon-window-h16:4-n8000',\n"
+            "             'd128-gluon-window-packed', 'd128-causal-h4:4-n8192-fp8-matching'):\n"
+            "    print(name, [(S.KERNELS[fn.__name__], cx.get('HAS_WINDOW'), cx.get('VARLEN'),\n"
+            "                  (cx.get('PAIRS'), cx.get('PEEL'), cx.get('PIPE')))\n"
+            "                 for fn, cx, *_ in S.record_launches(cases[name])], dict(launch.TUNE))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = dict(ln.split(" ", 1) for ln in res.stdout.splitlines())
+    none = (None, None, None)
+    assert got["d128-window"] == str([("fwd", True, False, none), ("dq", True, False, none),
+                                      ("dkdv", True, False, none)]) + " {}"
+    for name, varlen in (("d128-gluon-window-h4:4-n8192", False), ("d64-gluon-window-h16:4-n8000", True),
+                         ("d128-gluon-window-packed", True)):
+        want = [("hopper_fwd", True, varlen, none), ("hopper_dq", True, varlen, (None, None, False)),
+                ("hopper", True, varlen, (False, False, 0))]
+        assert got[name] == str(want) + " {}", (name, got[name])
+    plain = eval(got["d128-causal-h4:4-n8192-fp8-matching"].rsplit(" {", 1)[0])  # noqa: S307  (our own output)
+    assert [k[:2] for k in plain] == [("hopper_fwd", False), ("hopper_dq", False), ("hopper", False)]
+
+
+@pytest.mark.parametrize("variant", [[], ["--varlen"]], ids=["dense", "packed"])
+def test_gluon_window_kernels_compile_for_sm90_on_the_cpu(variant):
+    """The Gluon kernels' sliding-window variants (HAS_WINDOW, launch.HOPPER_WINDOW) at D=128, dense and packed,
+    compile for sm_90 with the installed Triton: no serialized wgmma, the dK/dV kernel's MMA operands right
+    (check_dkdv_operands on its plain loop: no pairs, peel or pipe with a window), and spills within bounds. With
+    Triton 3.6, which the Gluon kernels run with: the dQ kernel 8 bytes dense and 16 packed (0 without a window: the
+    masked edge loop of each pass adds live values), none in the forward or dK/dV. With 3.9 (not run by default:
+    launch.GLUON_TRITON_VERSIONS) the forward 72, the dQ kernel 208 dense and 88 packed, dK/dV none."""
+    import triton
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd",
+                          "--operands", "--window", *variant],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    if res.returncode and "Cannot find" in res.stderr:
+        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 3, res.stdout
+    assert "operands: ok" in res.stdout, res.stdout
+    packed = bool(variant)
+    if triton.__version__.startswith("3.6"):
+        allowed = {"hopper_fwd": 0, "hopper_dq": 16 if packed else 8, "hopper": 0}
+    else:
+        allowed = {"hopper_fwd": 72, "hopper_dq": 88 if packed else 208, "hopper": 0}
+    for ln in rows:
+        assert "QGMMA.64x128x32.F32.E4M3.E4M3" in ln and "wgmma serialized: no" in ln, ln
+        spill = int(re.search(r"spill=(\d+)B", ln).group(1))
+        assert spill <= allowed[ln.split()[1]], ln

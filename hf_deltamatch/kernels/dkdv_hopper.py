@@ -2,10 +2,12 @@
 
 The same contract and arithmetic as `_bwd_dkdv_kernel` (backward.py) with PART 0, DSS_IN, LSE2_IN and
 P_SHIFT = 8, for its common case only (launch._dkdv_hopper says when): fp8 e4m3, Dqk = Dv in (64, 128), no
-window, N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its sequences
-padded to multiples of 128 rows by kernels.segments, LSE2, delta and the dS scales where the dQ kernel put them;
-dK, dV to the packed rows; also a dense batch of N not a multiple of 128, each head one such sequence, causal or
-full: launch.HOPPER_RAGGED; padded keys are never stored, and padded query rows have P = 0 from their -inf LSE).
+window (HAS_WINDOW: a causal sliding window, with launch.HOPPER_WINDOW: the query tiles end at the last query whose
+window holds the program's last key, each warpgroup skips those past its own keys' windows and masks those the
+window's edge cuts), N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its
+sequences padded to multiples of 128 rows by kernels.segments, LSE2, delta and the dS scales where the dQ kernel put
+them; dK, dV to the packed rows; also a dense batch of N not a multiple of 128, each head one such sequence, causal
+or full: launch.HOPPER_RAGGED; padded keys are never stored, and padded query rows have P = 0 from their -inf LSE).
 
 Why a second dK/dV kernel: Triton compiles `_bwd_dkdv_kernel` into one stream in which both warpgroups meet
 at CTA barriers for every query tile and ptxas serializes its wgmmas (docs/kernels.md); the softmax of one
@@ -88,15 +90,16 @@ def _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk):
 @gluon.jit
 def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
           bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, masked, s_prev,
-          CAUSAL: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr,
-          PIPE: gl.constexpr):
+          window, CAUSAL: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr,
+          PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr):
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
     AHEAD: sq_t, sdo_t, sds (the tile's q8, dO8 and dS scales) were loaded a tile ahead by the caller; else they
     are loaded here, under the MMAs. RESCALE_DV False: the tile shares its dO8 quantization tile (128 rows) with
     the one this warpgroup did before it, so dv's rescale would multiply by c / c. PIPE: dp_acc comes in holding
     the previous tile's dS^T / sds (zeros before the first tile), whose dK MMA (with q8^T of stage s_prev) is
     issued after this tile's S^T and dP^T and runs under its exponentials; this tile's goes back the same way. PIPE
-    2: the same with dP^T's MMA into a fresh accumulator rather than dp_acc's registers (pipe_mode)."""
+    2: the same with dP^T's MMA into a fresh accumulator rather than dp_acc's registers (pipe_mode). HAS_WINDOW: a
+    masked tile also hides the queries past each key's window (rows >= key + window)."""
     s_layout: gl.constexpr = s_acc.type.layout
     a_layout: gl.constexpr = fp8_a_layout(dk.type.layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -123,7 +126,11 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     if CAUSAL:
         if masked:
             cols = m0 + gl.arange(0, BLOCK_M, col_layout)
-            p256 = gl.where(keys[:, None] <= cols[None, :], p256, 0.0)
+            if HAS_WINDOW:
+                vis = (keys[:, None] <= cols[None, :]) & (cols[None, :] < keys[:, None] + window)
+                p256 = gl.where(vis, p256, 0.0)
+            else:
+                p256 = gl.where(keys[:, None] <= cols[None, :], p256, 0.0)
     # RESCALE_DV False (launch.DKDV_HOPPER_PAIRS): c_dv / cv is 1 up to the division's rounding, yet dV then differs
     # from _bwd_dkdv_kernel's by up to 1.4e-3 (slightly closer to the reference); a runtime skip with three warpgroups
     # made the kernel slower at D=64 (1.03-1.12x its time)
@@ -162,14 +169,17 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
 @gluon.jit
 def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n, sdo_n,
           sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col, first,
-          s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS: gl.constexpr, STAGES: gl.constexpr,
-          CAUSAL: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr, AHEAD: gl.constexpr,
-          DIAG: gl.constexpr, PIPE: gl.constexpr):
+          s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end, window, GROUPS: gl.constexpr,
+          STAGES: gl.constexpr, CAUSAL: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr,
+          AHEAD: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr):
     """The ring's t-th query tile (tile i of the group's head g) through one warpgroup, its stage released after.
     AHEAD: the tile's scales were loaded a tile ahead (sq_n, sdo_n, sds_n), and the next tile's are loaded here;
     returns (g, i) of the next tile. DIAG: 0 the tile lies below the diagonal, 1 it crosses it, 2 a runtime test
     (two warpgroups: i < 2; three: i == first, and the tiles before `first` skipped). PIPE: the stage released is
-    the previous tile's (s_prev), whose dK MMA this tile issues; returns the stage whose dK MMA is pending."""
+    the previous tile's (s_prev), whose dK MMA this tile issues; returns the stage whose dK MMA is pending.
+    HAS_WINDOW (DIAG 2, no PIPE): tiles from i_end on lie past the window of every key of this warpgroup (keys kb ..
+    kb + 63): skipped (the dQ kernel wrote no dS scale there); the tiles the window's edge cuts (a row >= kb +
+    window) are masked like the diagonal's."""
     if not AHEAD:
         g = 0
         i = t
@@ -192,7 +202,18 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     has_prev = t > 0
     if PIPE:
         s_prev = gl.where(has_prev, s_prev, s)
-    if WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
+    if HAS_WINDOW:
+        gl.static_assert(DIAG == 2 and not PIPE, "a window: no peeled diagonal, no pipelined dK MMA")
+        if WGS == 2:
+            diag = i < 2
+        else:
+            diag = i == first
+        if (i >= first) & (i < i_end):
+            s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
+                k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
+                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max,
+                c_dv, diag | (m0 + BLOCK_M - 1 >= kb + window), s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, True)
+    elif WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
         if DIAG == 2:
             masked = i < 2
         else:
@@ -200,18 +221,18 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-            masked, s_prev, CAUSAL, AHEAD, RESCALE_DV, PIPE)
+            masked, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False)
     elif DIAG == 2:
         if i >= first:  # the diagonal tile is this warpgroup's first
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-                i == first, s_prev, CAUSAL, AHEAD, RESCALE_DV, PIPE)
+                i == first, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False)
     else:  # three warpgroups, peeled: the caller skipped the tiles before `first`
         s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-            DIAG == 1, s_prev, CAUSAL, AHEAD, RESCALE_DV, PIPE)
+            DIAG == 1, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False)
     s_next = s
     if PIPE:
         if has_prev:
@@ -233,10 +254,13 @@ def _last_dk(ds, dk, qt_smem, empty, s, d_layout: gl.constexpr):
 @gluon.jit
 def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
                    SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
-                   key_end, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
-                   PAIRS: gl.constexpr, PEEL: gl.constexpr, AHEAD: gl.constexpr, PIPE: gl.constexpr):
+                   key_end, window, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
+                   PAIRS: gl.constexpr, PEEL: gl.constexpr, AHEAD: gl.constexpr, PIPE: gl.constexpr,
+                   HAS_WINDOW: gl.constexpr):
     gl.static_assert(WGS == 2 or not PIPE, "PIPE: two warpgroups only (launch._dkdv_hopper_cfg)")
+    gl.static_assert(not (HAS_WINDOW and (PAIRS or PEEL or PIPE)), "a window: no pairs, peel or pipelined dK MMA "
+                                                                  "(launch._dkdv_hopper_cfg)")
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     kb = n0 + WG * 64  # this warpgroup's first key
@@ -249,6 +273,9 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         v_sub = v_smem.index(WG)
         dss_col = kb // BLOCK_N
     keys = kb + gl.arange(0, 64, gl.SliceLayout(1, s_layout))
+    i_end = n_q  # HAS_WINDOW: this warpgroup's query tiles end before i_end (its last key's window ends there)
+    if HAS_WINDOW:
+        i_end = (kb + 64 + window - 2 - lo) // BLOCK_M + 1
     # S^T and dP^T are MMAs into fresh accumulators (use_acc=False) in registers carried from tile to tile, so
     # that no zero fill is needed per tile
     s_acc = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
@@ -297,8 +324,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, u, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
-                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, WGS,
-                u == 0 or not PAIRS, AHEAD, 1, PIPE)
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end, window, GROUPS, STAGES,
+                CAUSAL, WGS, u == 0 or not PAIRS, AHEAD, 1, PIPE, HAS_WINDOW)
         t0 = 2
     elif PEEL:  # first <= n_q (first == n_q: a warpgroup past the keys)
         _release(ready, empty, 0, first, STAGES)
@@ -310,8 +337,8 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, first, g, i,
                 sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
-                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL,
-                WGS, True, AHEAD, 1, PIPE)
+                dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end, window, GROUPS,
+                STAGES, CAUSAL, WGS, True, AHEAD, 1, PIPE, HAS_WINDOW)
             t0 = first + 1
     if PAIRS:
         for t2 in range(t0 // 2, GROUPS * n_q // 2):
@@ -319,15 +346,15 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                 s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                     k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + u,
                     g, i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N,
-                    dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL,
-                    WGS, u == 0, AHEAD, DIAG, PIPE)
+                    dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end,
+                    window, GROUPS, STAGES, CAUSAL, WGS, u == 0, AHEAD, DIAG, PIPE, HAS_WINDOW)
     else:
         for t in range(t0, GROUPS * n_q):
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
-                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, GROUPS, STAGES, CAUSAL, WGS, True,
-                AHEAD, DIAG, PIPE)
+                dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end, window, GROUPS, STAGES,
+                CAUSAL, WGS, True, AHEAD, DIAG, PIPE, HAS_WINDOW)
     if PIPE:  # the last tile's dK MMA
         dk = _last_dk(dp_acc, dk, qt_smem, empty, s_prev, d_layout)
     dk = dk * (c_dk * softmax_scale)
@@ -347,11 +374,12 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
 @gluon.jit
 def _bwd_dkdv_hopper_kernel(
     k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, SQ, SK, SV, SDO, DSS, DK, DV,
-    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
+    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT, window,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr, PAIRS: gl.constexpr, PEEL: gl.constexpr,
-    AHEAD: gl.constexpr, PIPE: gl.constexpr,
+    AHEAD: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr,
 ):
+    gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (launch._hopper_why_not)")
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
     # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
     base, length, start = _segment(CU, PCU, N, VARLEN)
@@ -369,11 +397,14 @@ def _bwd_dkdv_hopper_kernel(
     if CAUSAL:
         lo = n0
     if VARLEN:  # causal: the query tiles from the diagonal to the sequence's last (padded rows have P = 0)
-        n_q = (base + (length + BLOCK_M - 1) // BLOCK_M * BLOCK_M - lo) // BLOCK_M
+        hi = base + (length + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         out_row = pid_bh * N_OUT + start - base  # + a padded key row: its packed row in dK, dV
     else:
-        n_q = (N - lo) // BLOCK_M
+        hi = N
         out_row = pid_bh * N
+    if HAS_WINDOW:  # to the tile of the last query whose window holds the program's last key
+        hi = gl.minimum(hi, (n0 + WGS * 64 + window - 2) // BLOCK_M * BLOCK_M + BLOCK_M)
+    n_q = (hi - lo) // BLOCK_M
     col_f = softmax_scale * 1.4426950408889634 * gl.load(SK + kv_row)
     dp_f = gl.load(SV + kv_row)
 
@@ -397,12 +428,12 @@ def _bwd_dkdv_hopper_kernel(
         gl.warp_specialize([
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
+                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
+                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -420,16 +451,16 @@ def _bwd_dkdv_hopper_kernel(
         gl.warp_specialize([
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 0, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
+                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f1, dp_f1, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 1, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
+                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f2, dp_f2, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, 2, GROUPS, HEAD_D, STAGES, CAUSAL, VARLEN,
-                              WGS, PAIRS, PEEL, AHEAD, PIPE)),
+                              dss_tq, dss_tk, out_row, base + length, window, 2, GROUPS, HEAD_D, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
@@ -445,14 +476,15 @@ def pipe_mode(pipe, fresh_dp):
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
                 dss_tq, dss_tk, grid, n_tiles, head_group, stages, warpgroups, regs, pairs, peel, ahead,
-                pipe=False, fresh_dp=False, segments=None):
+                pipe=False, fresh_dp=False, segments=None, window=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's tiles
     before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile ahead, required
     with GQA; `pipe`: each tile's dK MMA issued with the next tile's S^T and dP^T, two warpgroups and dense
     batches only; `fresh_dp`: with `pipe`, dP^T's MMA into a fresh accumulator, pipe_mode).
-    segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded layout."""
+    segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded layout. window: a causal
+    sliding window (launch.HOPPER_WINDOW: no pairs, peel or pipe then), each query's keys in (pos - window, pos]."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (sq, sq)  # unread without VARLEN
@@ -462,8 +494,9 @@ def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, d
         _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
         _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
         Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
+        int(window) if window is not None else 0,
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None,
         WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead),
-        PIPE=pipe_mode(pipe, fresh_dp),
+        PIPE=pipe_mode(pipe, fresh_dp), HAS_WINDOW=window is not None,
         num_warps=4,
     )

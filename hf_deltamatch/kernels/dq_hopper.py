@@ -2,7 +2,9 @@
 
 The same contract and arithmetic as `_bwd_dq_kernel` (backward.py) with 64-row blocks (ONE_TILE), matching
 delta, LSE2_OUT (P_SHIFT 8) and DSS_OUT, for its common case only (launch._dq_hopper says when): fp8 e4m3,
-Dqk = Dv in (64, 128), no window, N = M a multiple of 128, causal or full, any GQA group, or a causal packed
+Dqk = Dv in (64, 128), no window (HAS_WINDOW: a causal sliding window, with launch.HOPPER_WINDOW: both passes
+over the key tiles from the program's first query's window on, each warpgroup's tiles before its own window
+released, the edge's masked), N = M a multiple of 128, causal or full, any GQA group, or a causal packed
 batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, as LSE, delta, LSE2 and the dS
 scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows; also a dense
 batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N) full:
@@ -34,24 +36,37 @@ from ._gluon import (
 
 
 @gluon.jit
+def _first_tile(q0, window, HAS_WINDOW: gl.constexpr):
+    """The program's first key tile: 0, or with HAS_WINDOW the one its first query's (q0's) window starts in.
+    Each partition computes it (as a value handed to the partitions, it spilled)."""
+    if HAS_WINDOW:
+        return gl.maximum(q0 - window + 1, 0) // BLOCK_N
+    else:
+        return 0
+
+
+@gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
-            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, n_k, STAGES: gl.constexpr, HEAD_D: gl.constexpr):
+            qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, q0, n_k, window, STAGES: gl.constexpr,
+            HEAD_D: gl.constexpr, HAS_WINDOW: gl.constexpr):
     mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
     tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
-    for u in range(2 * n_k):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
-        j = u % n_k
+    lo = _first_tile(q0, window, HAS_WINDOW)
+    n_t = n_k - lo  # key tiles lo .. n_k - 1
+    for u in range(2 * n_t):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
+        j = lo + u % n_t
         s = u % STAGES
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
         mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
         bar = ready.index(s)
-        if u < n_k:
+        if u < n_t:
             mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
         else:
             mbarrier.expect(bar, 3 * k_desc.block_type.nbytes)
         tma_load(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
         tma_load(v_desc, [kv_row + j * BLOCK_N, 0], bar, v_smem.index(s))
-        if u >= n_k:
+        if u >= n_t:
             tma_load(kt_desc, [kt_row, kt_col + j * BLOCK_N], bar, kt_smem.index(s))
 
 
@@ -70,16 +85,31 @@ def _issue_s_dp(q_sub, do_sub, k_smem, v_smem, ready, u, s_acc, dp_acc, STAGES: 
 
 
 @gluon.jit
-def _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV, kv_row, MASKED: gl.constexpr,
-          WRAP: gl.constexpr, PENDING: gl.constexpr):
+def _skip(ready, empty, u0, u1, STAGES: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Release the ring's loads u0 .. u1-1 unread (HAS_WINDOW: key tiles before this warpgroup's window that the
+    other's reaches), each once loaded (_gluon._release); with PINGPONG taking a turn for each, as the other
+    warpgroup does for its MMAs there, so that the two keep alternating."""
+    for u in range(u0, u1):
+        s = u % STAGES
+        mbarrier.wait(ready.index(s), (u // STAGES) & 1)
+        if PINGPONG:
+            wait_turn(WG)
+            pass_turn(WG)
+        mbarrier.arrive(empty.index(s))
+
+
+@gluon.jit
+def _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV, kv_row, j0, window,
+          MASKED: gl.constexpr, WRAP: gl.constexpr, PENDING: gl.constexpr, HAS_WINDOW: gl.constexpr):
     """Key tile j (sk_t, sv_t: its scales), its S and dP MMAs issued (then PENDING more): P = exp2(S * s_f - LSE2),
-    masked on the diagonal tile, dP unscaled and its scale. Also returns the next key tile's scales (WRAP: after
-    the last, the first's), loaded under the MMAs: read in the tile they were loaded for, they left the warps
+    masked on the diagonal tile (HAS_WINDOW: also on the tiles cut by the window's left edge, keys > rows -
+    window), dP unscaled and its scale. Also returns the next key tile's scales (WRAP: after the last, those of
+    the warpgroup's first, j0), loaded under the MMAs: read in the tile they were loaded for, they left the warps
     waiting on L2 (Nsight Compute)."""
     s_f = row_f * sk_t
     dpf = dp_f * sv_t
     if WRAP:
-        ahead = kv_row + gl.where(j + 1 < n_k, j + 1, 0) * BLOCK_N
+        ahead = kv_row + gl.where(j + 1 < n_k, j + 1, j0) * BLOCK_N
     else:
         ahead = kv_row + gl.minimum(j + 1, n_k - 1) * BLOCK_N
     sk_t = gl.load(SK + ahead)
@@ -89,33 +119,36 @@ def _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV, kv
     p = gl.exp2(s_acc * s_f - lse2[:, None])
     if MASKED:  # the program's diagonal key tile (N = M: top-left = bottom-right)
         keys = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_acc.type.layout))
-        p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
+        if HAS_WINDOW:
+            p = gl.where((keys[None, :] <= rows[:, None]) & (keys[None, :] > rows[:, None] - window), p, 0.0)
+        else:
+            p = gl.where(keys[None, :] <= rows[:, None], p, 0.0)
     dp_acc = warpgroup_mma_wait(PENDING, deps=(dp_acc, ))
     return s_acc, p, dp_acc, dpf, sk_t, sv_t
 
 
 @gluon.jit
 def _p_dp(q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
-          kv_row, MASKED: gl.constexpr, WRAP: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
-          PINGPONG: gl.constexpr):
+          kv_row, j0, window, MASKED: gl.constexpr, WRAP: gl.constexpr, STAGES: gl.constexpr, WG: gl.constexpr,
+          PINGPONG: gl.constexpr, HAS_WINDOW: gl.constexpr):
     """Key tile j, the ring's load u: _issue_s_dp, then _p_of. Returns the stage too."""
     s_acc, dp_acc, s = _issue_s_dp(q_sub, do_sub, k_smem, v_smem, ready, u, s_acc, dp_acc, STAGES, WG, PINGPONG)
     if PINGPONG:
         pass_turn(WG)
     s_acc, p, dp_acc, dpf, sk_t, sv_t = _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
-                                              kv_row, MASKED, WRAP, 0)
+                                              kv_row, j0, window, MASKED, WRAP, 0, HAS_WINDOW)
     return s_acc, p, dp_acc, dpf, sk_t, sv_t, s
 
 
 @gluon.jit
-def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
-                s_acc, dp_acc, delta, sk_t, sv_t, MASKED: gl.constexpr, STAGES: gl.constexpr,
-                SCALE_AFTER_SUM: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Pass 1 on key tile u: delta += rowsum(P * dP). sk_t, sv_t: its scales; returns the next tile's (after the
-    last, pass 2's first)."""
+def _delta_tile(q_sub, do_sub, k_smem, v_smem, ready, empty, u, j, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
+                s_acc, dp_acc, delta, sk_t, sv_t, j0, window, MASKED: gl.constexpr, STAGES: gl.constexpr,
+                SCALE_AFTER_SUM: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    """Pass 1 on key tile j, the ring's load u: delta += rowsum(P * dP). sk_t, sv_t: its scales; returns the next
+    tile's (after the last, pass 2's first, j0)."""
     s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
-        q_sub, do_sub, k_smem, v_smem, ready, u, u, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
-        kv_row, MASKED, True, STAGES, WG, PINGPONG)
+        q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
+        kv_row, j0, window, MASKED, True, STAGES, WG, PINGPONG, HAS_WINDOW)
     mbarrier.arrive(empty.index(s))
     if SCALE_AFTER_SUM:  # the tile's dP scale on its row sums, not on each dP: one FMUL per score less
         delta += gl.sum(p * dp_acc, 1) * dpf
@@ -148,17 +181,17 @@ def _dq_units(sds, sk_j, dq, c_dq, c_max):
 
 
 @gluon.jit
-def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f, dp_f,
-             lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, MASKED: gl.constexpr,
+def _dq_tile(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, u, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
+             dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, window, MASKED: gl.constexpr,
              STAGES: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr, WG: gl.constexpr,
-             PINGPONG: gl.constexpr):
-    """Pass 2 on key tile j: dS, its tile scale (stored for the dK/dV kernel) and dQ += dS8 k8. sk_t, sv_t: its
-    scales; returns the next tile's."""
+             PINGPONG: gl.constexpr, HAS_WINDOW: gl.constexpr):
+    """Pass 2 on key tile j, the ring's load u: dS, its tile scale (stored for the dK/dV kernel) and
+    dQ += dS8 k8. sk_t, sv_t: its scales; returns the next tile's."""
     a_layout: gl.constexpr = fp8_a_layout(dq.type.layout)
     sk_j = sk_t
     s_acc, p, dp_acc, dpf, sk_t, sv_t, s = _p_dp(
-        q_sub, do_sub, k_smem, v_smem, ready, n_k + j, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows,
-        SK, SV, kv_row, MASKED, False, STAGES, WG, PINGPONG)
+        q_sub, do_sub, k_smem, v_smem, ready, u, j, n_k, s_acc, dp_acc, row_f, dp_f, sk_t, sv_t, lse2, rows,
+        SK, SV, kv_row, 0, window, MASKED, False, STAGES, WG, PINGPONG, HAS_WINDOW)
     ds, rs, ra, sds = _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX, POW2, ROW_SUMS)
     r, dq, c_dq, c_max = _dq_units(sds, sk_j, dq, c_dq, c_max)
     ds8 = fp8_operand(ds * r, a_layout)  # kt_smem's keys in k_order
@@ -191,7 +224,7 @@ def _dq_tile_pipe(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, j, n_
     if PINGPONG:
         pass_turn(WG)
     s_acc, p, dp_acc, dpf, sk_t, sv_t = _p_of(s_acc, dp_acc, j, n_k, row_f, dp_f, sk_t, sv_t, lse2, rows, SK, SV,
-                                              kv_row, MASKED, True, PREV != 0)
+                                              kv_row, 0, 0, MASKED, True, PREV != 0, False)
     ds, rs, ra, sds = _ds(p, dp_acc, dpf, delta, rs, ra, DSS, dss_at, j, FMAX, POW2, ROW_SUMS)
     if PREV:  # the previous tile's dQ MMA: done with its ds8 registers (ptxas tracks those) and its ring stage
         dq = warpgroup_mma_wait(0, deps=(dq, ))
@@ -202,10 +235,11 @@ def _dq_tile_pipe(q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, j, n_
 
 @gluon.jit
 def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty,
-                   SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k, dss_row,
-                   dss_tk, dss_col0, out0, length, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr,
-                   ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PIPE: gl.constexpr):
+                   SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, r0, kv_row, n_k,
+                   dss_row, dss_tk, dss_col0, out0, length, window, WG: gl.constexpr, HEAD_D: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr,
+                   POW2: gl.constexpr, ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
+                   PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
     d_layout: gl.constexpr = mma_layout(HEAD_D)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -220,8 +254,21 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     s_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # fresh accumulators (use_acc=False) carried
     dp_acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # from tile to tile: no zero fill per tile
     delta = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    sk_t = gl.load(SK + kv_row)
-    sv_t = gl.load(SV + kv_row)
+    lo = _first_tile(r0 - WG * BLOCK_M, window, HAS_WINDOW)
+    if HAS_WINDOW:
+        # this warpgroup's first key tile, j0 (its first row's window starts there; the program's, lo, may be one
+        # before it: released unread, its dS scale never written), and the first tile its rows see whole, edge:
+        # [j0, edge) masked like the diagonal tile
+        j0 = gl.maximum(r0 - window + 1, 0) // BLOCK_N
+        edge = (gl.maximum(r0 + BLOCK_M - window, 0) + BLOCK_N - 1) // BLOCK_N
+        edge = gl.maximum(gl.minimum(edge, n_k - 1), j0)
+        n_t = n_k - lo  # the ring's loads per pass
+        sk_t = gl.load(SK + kv_row + j0 * BLOCK_N)
+        sv_t = gl.load(SV + kv_row + j0 * BLOCK_N)
+    else:
+        j0 = 0
+        sk_t = gl.load(SK + kv_row)
+        sv_t = gl.load(SV + kv_row)
     # the causal diagonal key tile (the program's last) peeled off both loops: with the mask under a runtime
     # condition inside the loop, ptxas may predicate it onto every tile (128 instructions per tile). The full mask
     # on a padded sequence (TAIL) peels its last key tile the same way, masked past the sequence's end: the mask
@@ -232,18 +279,35 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     if PINGPONG:
         if WG == 1:  # warpgroup 0 issues first
             pass_turn(WG)
-    for u in range(n_plain):  # pass 1: delta = rowsum(P * dP), the correction pass
+    if HAS_WINDOW:  # pass 1 on the window's tiles: the ones before j0 released, the edge's masked
+        _skip(ready, empty, 0, j0 - lo, STAGES, WG, PINGPONG)
+        for j in range(j0, edge):
+            s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+                q_sub, do_sub, k_smem, v_smem, ready, empty, j - lo, j, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
+                s_acc, dp_acc, delta, sk_t, sv_t, j0, window, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG, True)
+        for j in range(edge, n_plain):
+            s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+                q_sub, do_sub, k_smem, v_smem, ready, empty, j - lo, j, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
+                s_acc, dp_acc, delta, sk_t, sv_t, j0, window, False, STAGES, SCALE_AFTER_SUM, WG, PINGPONG, True)
         s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
-            q_sub, do_sub, k_smem, v_smem, ready, empty, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows, s_acc,
-            dp_acc, delta, sk_t, sv_t, False, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
-    if CAUSAL:
-        s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
-            q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
-            s_acc, dp_acc, delta, sk_t, sv_t, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
-    if TAIL:
-        s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
-            q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2,
-            rows * 0 + (length - 1), s_acc, dp_acc, delta, sk_t, sv_t, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG)
+            q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain - lo, n_plain, SK, SV, kv_row, n_k, row_f, dp_f,
+            lse2, rows, s_acc, dp_acc, delta, sk_t, sv_t, j0, window, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG,
+            True)
+    else:
+        for u in range(n_plain):  # pass 1: delta = rowsum(P * dP), the correction pass
+            s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+                q_sub, do_sub, k_smem, v_smem, ready, empty, u, u, SK, SV, kv_row, n_k, row_f, dp_f, lse2, rows,
+                s_acc, dp_acc, delta, sk_t, sv_t, 0, window, False, STAGES, SCALE_AFTER_SUM, WG, PINGPONG, False)
+        if CAUSAL:
+            s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+                q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2,
+                rows, s_acc, dp_acc, delta, sk_t, sv_t, 0, window, True, STAGES, SCALE_AFTER_SUM, WG, PINGPONG,
+                False)
+        if TAIL:
+            s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
+                q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2,
+                rows * 0 + (length - 1), s_acc, dp_acc, delta, sk_t, sv_t, 0, window, True, STAGES, SCALE_AFTER_SUM,
+                WG, PINGPONG, False)
     dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
     rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
@@ -265,22 +329,38 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
         dq = warpgroup_mma(ds8, kt_smem.index(s_prev).permute((1, 0)), dq, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq, ))
         mbarrier.arrive(empty.index(s_prev))
+    elif HAS_WINDOW:  # pass 2 on the window's tiles, as pass 1: ring loads n_t + j - lo
+        _skip(ready, empty, n_t, n_t + j0 - lo, STAGES, WG, PINGPONG)
+        for j in range(j0, edge):
+            s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_t + j - lo, j, n_k, SK, SV, DSS, kv_row,
+                dss_at, row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, window,
+                True, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, True)
+        for j in range(edge, n_plain):
+            s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_t + j - lo, j, n_k, SK, SV, DSS, kv_row,
+                dss_at, row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, window,
+                False, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, True)
+        s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
+            q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_t + n_plain - lo, n_plain, n_k, SK, SV, DSS,
+            kv_row, dss_at, row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, window,
+            True, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, True)
     else:
         for j in range(n_plain):  # pass 2: dS and dQ
             s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, j, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-                dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, False, STAGES, FMAX, POW2,
-                ROW_SUMS, WG, PINGPONG)
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_k + j, j, n_k, SK, SV, DSS, kv_row, dss_at,
+                row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, window, False,
+                STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, False)
         if CAUSAL:
             s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at,
-                row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, True, STAGES, FMAX,
-                POW2, ROW_SUMS, WG, PINGPONG)
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_k + n_plain, n_plain, n_k, SK, SV, DSS,
+                kv_row, dss_at, row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t,
+                window, True, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, False)
         if TAIL:
             s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_plain, n_k, SK, SV, DSS, kv_row, dss_at,
-                row_f, dp_f, lse2, delta, rows * 0 + (length - 1), s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t,
-                True, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG)
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_k + n_plain, n_plain, n_k, SK, SV, DSS,
+                kv_row, dss_at, row_f, dp_f, lse2, delta, rows * 0 + (length - 1), s_acc, dp_acc, dq, c_dq, c_max, rs,
+                ra, sk_t, sv_t, window, True, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, False)
     if PINGPONG:
         if WG == 0:  # the turn warpgroup 1 passed with its last MMAs: every named-barrier arrive is consumed
             wait_turn(WG)
@@ -302,11 +382,12 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
 @gluon.jit
 def _bwd_dq_hopper_kernel(
     q_desc, do_desc, k_desc, v_desc, kt_desc, SQ, SK, SV, SDO, LSE, DQ, DELTA, LSE2, DSS, RS, RA,
-    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT,
+    Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT, window,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
-    VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PIPE: gl.constexpr,
+    VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr,
 ):
+    gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (launch._hopper_why_not)")
     gl.static_assert(not (PIPE and CAUSAL), "the pipelined pass 2 is the full mask's (launch._dq_hopper_cfg)")
     gl.static_assert(not (PIPE and VARLEN), "the pipelined pass 2 masks no key tail (launch._dq_hopper_cfg)")
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
@@ -339,23 +420,24 @@ def _bwd_dq_hopper_kernel(
     gl.warp_specialize([
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
-                          dss_col0, out0, length, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2, ROW_SUMS,
-                          VARLEN, PINGPONG, PIPE)),
+                          dss_col0, out0, length, window, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
+                          ROW_SUMS, VARLEN, PINGPONG, PIPE, HAS_WINDOW)),
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
-                          dss_tk, dss_col0, out0, length, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
-                          ROW_SUMS, VARLEN, PINGPONG, PIPE)),
+                          dss_tk, dss_col0, out0, length, window, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX,
+                          POW2, ROW_SUMS, VARLEN, PINGPONG, PIPE, HAS_WINDOW)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
-                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, n_k, STAGES, HEAD_D)),
+                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, q0, n_k, window, STAGES, HEAD_D, HAS_WINDOW)),
     ], [4, 1], [240, 24])
 
 
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
               dss_tq, dss_tk, grid, n_tiles, head_group, stages, pingpong, scale_after_sum, fmax, pow2, row_sums,
-              pipe=False, segments=None):
+              pipe=False, segments=None, window=None):
     """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
     the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
-    tensor but dq in its padded layout."""
+    tensor but dq in its padded layout. window: a causal sliding window (launch.HOPPER_WINDOW), each query's keys
+    in (pos - window, pos]."""
     B, Hq, N, D = q8.shape
     Hkv = k8.shape[1]
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
@@ -363,7 +445,8 @@ def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, 
         _desc(q8, [QUERIES_PER_PROGRAM, D]), _desc(do8, [QUERIES_PER_PROGRAM, D]), _desc(k8, [KEYS_PER_PROGRAM, D]),
         _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
         dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
+        int(window) if window is not None else 0,
         GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
         FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong), PIPE=bool(pipe),
-        num_warps=4,
+        HAS_WINDOW=window is not None, num_warps=4,
     )

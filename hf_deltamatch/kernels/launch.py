@@ -18,14 +18,15 @@ from ._fp8 import INTERPRET
 # "dkdv" (warps, stages), f"{k}_maxnreg" (ptxas register cap), "fwd_tma" / "dq_tma", "dkdv_lse2", "dkdv_p256".
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
-# on packed batches), "hopper_ragged" (on dense batches of N not a multiple of 128) and "hopper_fwd_wide" (the Gluon
-# forward at FWD_HOPPER_WIDE_DIMS). The q/k quantization pass with the fused rotation: "quantize_rotate" ((tiles per
-# program, warps, stages)). Each is read where its default is defined below.
+# on packed batches), "hopper_ragged" (on dense batches of N not a multiple of 128), "hopper_window" (on causal
+# sliding windows) and "hopper_fwd_wide" (the Gluon forward at FWD_HOPPER_WIDE_DIMS). The q/k quantization pass
+# with the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where its default is
+# defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
               "fwd_hopper", "fwd_hopper_stages", "dkdv_hopper_wgs", "dkdv_hopper_pipe", "hopper_packed",
-              "hopper_ragged", "hopper_fwd_wide", "quantize_rotate"}
+              "hopper_ragged", "hopper_window", "hopper_fwd_wide", "quantize_rotate"}
              | {f"{k}_maxnreg" for k in ("fwd", "dq", "dkdv")})
 
 
@@ -193,8 +194,9 @@ DQ_HOPPER_WARPGROUPS = 2
 
 
 # Whether the Gluon kernels take packed (varlen) batches (kernels.segments: each sequence at rows starting at
-# multiples of 128): causal self-attention, one batch row, no window, forward and backward alike. On a packed batch
-# the Triton kernels are far slower than on a dense one: the Gluon forward 0.64x their time, dQ 0.45x.
+# multiples of 128): causal self-attention, one batch row (a sliding window: HOPPER_WINDOW), forward and backward
+# alike. On a packed batch the Triton kernels are far slower than on a dense one: the Gluon forward 0.64x their time,
+# dQ 0.45x.
 HOPPER_PACKED = True
 
 
@@ -256,7 +258,8 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
                     device, lse2_in: bool, p_shift: int, packed: bool = False, causal: bool = False,
                     wide: bool = False) -> str | None:
     """None where the input is the Gluon kernels' case, else why not (one phrase, for the dispatch log): fp8 e4m3,
-    Dqk = Dv in 64/128, block 128, no window, and N = M a multiple of 128, or N = M otherwise (HOPPER_RAGGED or
+    Dqk = Dv in 64/128, block 128, no window (or a causal one with HOPPER_WINDOW or TUNE["hopper_window"]; `window`
+    is None under the full mask, which ignores it), and N = M a multiple of 128, or N = M otherwise (HOPPER_RAGGED or
     TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen,
     causal, cu_seqlens_q = cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested
     Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes
@@ -276,8 +279,8 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
             return why
     if block != 128:
         return f"block={block} (128 only)"
-    if window is not None:
-        return "a sliding window"
+    if window is not None and not TUNE.get("hopper_window", HOPPER_WINDOW):
+        return "a sliding window (launch.HOPPER_WINDOW / TUNE['hopper_window'] off)"
     if varlen and not packed:
         return "a varlen batch other than causal self-attention in one batch row (cu_seqlens_q = cu_seqlens_k)"
     if varlen and not TUNE.get("hopper_packed", HOPPER_PACKED):
@@ -339,6 +342,14 @@ def _wide_why_not(*, dqk: int, dv: int, varlen: bool, window, n: int) -> str | N
 # TUNE["hopper_ragged"] = False turns it off.
 HOPPER_RAGGED = True
 HOPPER_RAGGED_FULL = True
+
+# Whether the Gluon kernels take causal sliding windows (HAS_WINDOW in fwd_hopper, dq_hopper, dkdv_hopper): each
+# program's loop starts at the first key tile its first query's window reaches (the forward and dQ kernels) or ends at
+# the last query tile whose window holds its last key (dK/dV), the tiles cut by the window's edge masked, each
+# warpgroup's tiles outside its rows' windows released unread; on dense batches (any N, as above) and packed ones.
+# The dK/dV kernel runs without pairs, the peeled diagonal and the pipelined dK MMA there (_dkdv_hopper_cfg). Off
+# until tests/test_kernels_gpu.py's window tests pass on the H200: TUNE["hopper_window"] = True turns it on.
+HOPPER_WINDOW = False
 
 # The dispatch log (issue #32): one DEBUG line per distinct case on the "hf_deltamatch" logger, naming the kernels a
 # call takes and, where they are not the Gluon ones, why
@@ -422,18 +433,21 @@ def _dkdv_hopper_peel(*, causal: bool, groups: int, packed: bool, warpgroups: in
     return want and causal and groups == 1 and not packed
 
 
-def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool) -> dict:
-    """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch):
+def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool, window: bool = False) -> dict:
+    """dkdv_hopper.dkdv_hopper's options at head dim d for the case (causal, GQA groups, a packed batch, a sliding
+    window: then no pairs, peel or pipelined dK MMA, whose loops assume every tile from the diagonal on):
     DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a tile ahead always
     with GQA (the loop counts the group's heads that way), else on dense batches by warpgroups (DKDV_HOPPER_AHEAD);
     the pipelined dK MMA with two warpgroups on dense batches without GQA (DKDV_HOPPER_PIPE), not under a ptxas of
     CUDA 13+ unless TUNE["dkdv_hopper_pipe"] asks, and then with a fresh dP^T accumulator (fresh_dp)."""
     wgs = _dkdv_warpgroups(d)
     n = wgs["warpgroups"]
-    peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n)
-    pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2
+    if window and any(TUNE.get(f"dkdv_hopper_{k}") for k in ("pairs", "peel", "pipe")):
+        raise ValueError("dkdv_hopper_pairs / _peel / _pipe: not with a sliding window; leave them unset")
+    peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n) and not window
+    pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2 and not window
     ahead = groups > 1 or (DKDV_HOPPER_AHEAD[n] and not packed)
-    fits = n == 2 and groups == 1 and not packed
+    fits = n == 2 and groups == 1 and not packed and not window
     fresh_dp = _sm90_ptxas_major() >= DKDV_HOPPER_PIPE_PTXAS_BELOW
     pipe = fits and bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE and not fresh_dp))
     if TUNE.get("dkdv_hopper_pipe") and not fits:

@@ -150,10 +150,11 @@ def _quantize_segments(cu_seqlens, packing, block):
     return _layout(cu_seqlens, packing) if packing is not None and block == ROW_ALIGN else None
 
 
-def _packed(packing, B: int, causal: bool, window) -> bool:
+def _packed(packing, B: int, causal: bool) -> bool:
     """Whether a varlen batch is one the Gluon kernels can take padded (launch._hopper_case's `packed`): the same
-    query and key sequences (_seq_info's packing) with a token, one batch row, causal, no window."""
-    return packing is not None and packing[2] > 0 and B == 1 and bool(causal) and window is None
+    query and key sequences (_seq_info's packing) with a token, one batch row, causal (a sliding window is
+    launch._hopper_why_not's to judge)."""
+    return packing is not None and packing[2] > 0 and B == 1 and bool(causal)
 
 
 @functools.lru_cache(maxsize=64)
@@ -238,7 +239,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q, segments=seg)
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k, segments=seg)
     d = max(dqk, dv)
-    packed = _packed(packing, B, causal, window)
+    packed = _packed(packing, B, causal)
     case = dict(fp8=fp8, dqk=dqk, dv=dv, block=T, varlen=varlen, window=window if causal else None, n=N, m=M,
                 device=q.device, packed=packed, causal=bool(causal))
     hopper = fp8 and _fwd_hopper(d, **case)
@@ -300,7 +301,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         grid, n_tiles, head_group = _grid("fwd", _blocks(max_n if varlen else N, cfg["warpgroups"]), B * Hq, nseq,
                                           bool(causal))
         fwd_hopper(*ops, out, lse, causal=causal, softmax_scale=softmax_scale, grid=grid, n_tiles=n_tiles,
-                   head_group=head_group, segments=seg, **cfg)
+                   head_group=head_group, segments=seg, window=case["window"], **cfg)
         return out, lse, q8, k8, v8, sq, sk, sv
     # dense: V's token-major tiles end at the head's end (TMA fills zeros past it)
     tma = _use_tma("fwd", fp8, dqk, dv, aligned and (not varlen or _whole_tiles(rems, keys=T)))
@@ -355,7 +356,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     # the Gluon kernels (dkdv_hopper, dq_hopper) where they apply; both take the dS scales from the dQ kernel
     case = dict(fp8=fp8, e4m3=config.grad_format == "e4m3", dqk=dqk, dv=dv, block=T, varlen=varlen,
                 window=window if causal else None, n=N, m=M, device=do.device, lse2_in=lse2_in, p_shift=p_shift,
-                packed=_packed(packing, B, causal, window), causal=bool(causal))
+                packed=_packed(packing, B, causal), causal=bool(causal))
     # packed and ragged batches (N % 128 != 0: launch.HOPPER_RAGGED) take the kernels' padded layout
     padded = varlen or N % ROW_ALIGN != 0
     # the saved q8, k8, v8 as quantize() makes them: contiguous, or with a ragged batch's heads padded (_padded_view)
@@ -407,7 +408,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         seg = _layout(cu_seqlens_q, packing) if varlen else _dense_layout(N, dev)
         delta_p = _backward_padded(do, q8, k8, v8, q_scale, k_scale, v_scale, lse, dq, dk, dv_, seg,
                                    softmax_scale=softmax_scale, config=config, max_n=max_n, nseq=nseq,
-                                   dense=not varlen, causal=bool(causal))
+                                   dense=not varlen, causal=bool(causal), window=case["window"])
         if return_delta:
             _unpad_rows(delta_p, seg, delta)
         return _ret()
@@ -441,7 +442,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, causal=causal,
                       softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
                       head_group=head_group, scale_after_sum=_scale_after_sum(d), fmax=FP8_MAX["e4m3"],
-                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums,
+                      pow2=config.scale_rounding == "pow2", row_sums=return_row_sums, window=case["window"],
                       **_dq_hopper_cfg(d, bool(causal)))
         else:
             if dq_tma:  # 2-D views: k8 and v8 (B*Hkv*M, D), k8 token-major (B*Hkv*Dqk, M)
@@ -468,11 +469,12 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
             dot = do8t
         if hopper:
             from .dkdv_hopper import dkdv_hopper
-            cfg = _dkdv_hopper_cfg(d, causal=bool(causal), groups=Hq // Hkv, packed=False)
+            cfg = _dkdv_hopper_cfg(d, causal=bool(causal), groups=Hq // Hkv, packed=False,
+                                   window=case["window"] is not None)
             grid, n_tiles, head_group = _grid("dkdv", _blocks(M, cfg["warpgroups"]), B * Hkv, nseq, bool(causal))
             dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv_, causal=causal,
                         softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, grid=grid, n_tiles=n_tiles,
-                        head_group=head_group, **cfg)
+                        head_group=head_group, window=case["window"], **cfg)
             return _ret()
         grid, n_tiles, head_group = _grid("dkdv", triton.cdiv(max_m, kv_n), B * Hkv, nseq, bool(causal))
         for part in _dkdv_parts(d):
@@ -507,12 +509,13 @@ def _blocks(n, warpgroups):
 
 
 def _backward_padded(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softmax_scale, config, max_n, nseq,
-                     dense=False, causal=True):
+                     dense=False, causal=True, window=None):
     """The backward of a packed batch (causal), or of a ragged dense one (`dense`: seg is its _dense_layout; causal
     or not), through the Gluon kernels (backward() checked the case): every input copied into seg's padded layout
     (segments.py: LSE padded with -inf, so a padded row's P is 0; dO quantized straight into it) but a dense batch's
     q8, k8, v8, which are in it already (_padded_view); dq, dk, dv written to their packed rows. LSE2, delta and the
-    dS scales stay in the padded layout between the two kernels."""
+    dS scales stay in the padded layout between the two kernels. window: a causal sliding window
+    (launch.HOPPER_WINDOW)."""
     from .dkdv_hopper import dkdv_hopper
     from .dq_hopper import dq_hopper
     B, Hq, _, D = q8.shape
@@ -530,7 +533,7 @@ def _backward_padded(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
     delta, lse2 = torch.empty((B, Hq, seg.npad), **rows), torch.empty((B, Hq, seg.npad), **rows)
     dss_tq, dss_tk = seg.npad // DS_TILE_Q, seg.npad // config.block
     dss = torch.ones((B * Hq, dss_tq, dss_tk), **rows)
-    common = dict(causal=causal, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg)
+    common = dict(causal=causal, softmax_scale=softmax_scale, dss_tq=dss_tq, dss_tk=dss_tk, segments=seg, window=window)
     grid, n_tiles, head_group = _grid("dq", _blocks(max_n, DQ_HOPPER_WARPGROUPS), B * Hq, nseq, causal)
     dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, delta, delta, grid=grid,
               n_tiles=n_tiles, head_group=head_group, scale_after_sum=_scale_after_sum(D), fmax=FP8_MAX["e4m3"],
@@ -538,7 +541,7 @@ def _backward_padded(do, q8, k8, v8, sq, sk, sv, lse, dq, dk, dv, seg, *, softma
               **_dq_hopper_cfg(D, causal, padded=True))
     del k8t
     q8t = token_major(q8_, k_order=True, src=seg.src)
-    cfg = _dkdv_hopper_cfg(D, causal=causal, groups=Hq // Hkv, packed=True)
+    cfg = _dkdv_hopper_cfg(D, causal=causal, groups=Hq // Hkv, packed=True, window=window is not None)
     grid, n_tiles, head_group = _grid("dkdv", _blocks(max_n, cfg["warpgroups"]), B * Hkv, nseq, causal)
     dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, grid=grid, n_tiles=n_tiles,
                 head_group=head_group, **common, **cfg)
