@@ -38,6 +38,25 @@ def _load():
     return mod
 
 
+def _env():
+    """The environment the script's subprocesses run in: the real compiler (no interpreter), this checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def _record(loop: str) -> str:
+    """stdout of `loop` run in a subprocess after `import sm90_registers as S`, `launch` and `cases =
+    S.default_cases()` (record_launches fakes the H200's sm_90 and Triton 3.6 there)."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
+            "from hf_deltamatch.kernels import launch\n"
+            "cases = S.default_cases()\n" + loop)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
 def test_loops_counts_innermost_bodies():
     """The outer loop (0x0-0x600) contains the inner one and the tiny busy-wait loop (0x10-0x20) is not a tile
     loop: only 0x100-0x400 is reported, with its instructions by kind."""
@@ -48,10 +67,8 @@ def test_loops_counts_innermost_bodies():
 def test_forward_compiles_for_sm90_on_the_cpu():
     """The report on a real kernel: Triton compiles the forward for sm_90 without a GPU (its bundled ptxas and
     cuobjdump), outside the interpreter that the rest of the suite runs in."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, str(SCRIPT), "--d", "64", "--kernels", "fwd", "--loops"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     if res.returncode and "Cannot find" in res.stderr:
         pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 0, res.stderr[-2000:]
@@ -74,11 +91,9 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
     only; the bounds keep the 3.9 spills from growing unseen. The dK/dV kernel's MMA operands are checked tile by
     tile (sm90_registers.check_dkdv_operands) with the options launch.py picks for this Triton's ptxas."""
     import triton
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd",
                           "--operands", *variant],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     if res.returncode and "Cannot find" in res.stderr:
         pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 0, res.stderr[-2000:]
@@ -146,10 +161,8 @@ def test_pipelined_dkdv_operands_by_ptxas(form):
     fresh dP^T accumulator), which checks out with both, and no serialized wgmma. Should a later ptxas compile the
     first form right, this fails and launch.DKDV_HOPPER_PIPE_PTXAS_BELOW can go."""
     from hf_deltamatch.kernels import launch
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--full", "--kernels", "hopper", "--operands",
-                          "--dkdv-pipe", form], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                          "--dkdv-pipe", form], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     if res.returncode and "Cannot find" in res.stderr:
         pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 0, res.stderr[-2000:]
@@ -163,11 +176,9 @@ def test_quantization_pass_with_the_outlier_transforms_compiles_for_sm90():
     """The q/k quantization pass with the fused outlier transforms (kernels/quantize.py, kernels/transform.py) at
     D=128: the rotation on the tensor cores (a bf16 wgmma), no spills, and each variant's instruction count
     printed for docs/numerics.md's cost account."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
     kinds = ["quantize", "quantize_rotate", "quantize_center", "quantize_both", "center_rotate"]
     res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", ",".join(kinds)],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     if res.returncode and "Cannot find" in res.stderr:
         pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 0, res.stderr[-2000:]
@@ -186,23 +197,18 @@ def test_hash_records_the_default_launches():
     kernels with TUNE["hopper_ragged"] off, causal and full, with the Triton backward there for the stale delta (the
     padded layout: both Gluon kernels or neither), the Triton kernels
     in bf16, and dK/dV in two launches at D=256; with the constexprs the kernels get."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
-            "from hf_deltamatch.kernels import launch\n"
-            "cases = S.default_cases()\n"
-            "for ragged in (False, True):\n"
-            "    launch.TUNE.clear() if ragged else launch.TUNE.update(hopper_ragged=False)\n"
-            "    for name in ('d128-causal-h4:4-n8192-fp8-matching', 'd128-causal-h4:4-n8192-fp8-stale',\n"
-            "                 'd128-full-h16:4-n8000-fp8-matching', 'd64-causal-h4:4-n8000-bf16-matching',\n"
-            "                 'd256-causal-fp8', 'd128-causal-h16:4-n8000-fp8-matching',\n"
-            "                 'd64-causal-h4:4-n8000-fp8-stale'):\n"
-            "        print(('ragged:' if ragged else '') + name,\n"
-            "              [(S.KERNELS[fn.__name__], cx.get('PART'), cx.get('FP8'), cx.get('VARLEN'))\n"
-            "               for fn, cx, *_ in S.record_launches(cases[name])])\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    got = dict(ln.split(" ", 1) for ln in res.stdout.splitlines())
+    stdout = _record(
+        "for ragged in (False, True):\n"
+        "    launch.TUNE.clear() if ragged else launch.TUNE.update(hopper_ragged=False)\n"
+        "    for name in ('d128-causal-h4:4-n8192-fp8-matching', 'd128-causal-h4:4-n8192-fp8-stale',\n"
+        "                 'd128-full-h16:4-n8000-fp8-matching', 'd64-causal-h4:4-n8000-bf16-matching',\n"
+        "                 'd256-causal-fp8', 'd128-causal-h16:4-n8000-fp8-matching',\n"
+        "                 'd64-causal-h4:4-n8000-fp8-stale'):\n"
+        "        print(('ragged:' if ragged else '') + name,\n"
+        "              [(S.KERNELS[fn.__name__], cx.get('PART'), cx.get('FP8'), cx.get('VARLEN'))\n"
+        "               for fn, cx, *_ in S.record_launches(cases[name])])\n"
+    )
+    got = dict(ln.split(" ", 1) for ln in stdout.splitlines())
     # (kernel, PART, FP8, VARLEN): the Gluon kernels have no FP8 constexpr, the Triton ones no VARLEN here
     gluon_dense = [("hopper_fwd", None, None, False), ("hopper_dq", None, None, False), ("hopper", None, None, False)]
     gluon_padded = [("hopper_fwd", None, None, True), ("hopper_dq", None, None, True), ("hopper", None, None, True)]
@@ -232,10 +238,8 @@ def test_gluon_forward_wide_compiles_for_sm90(dims):
     version the Gluon kernels run with: launch.GLUON_TRITON_VERSIONS); with 3.9 MLA spills 16-32 bytes, as the
     three-warpgroup forward does at D=128 there."""
     import triton
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, str(SCRIPT), "--kernels", "hopper_fwd", *dims],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
     if res.returncode and "Cannot find" in res.stderr:
         pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 0, res.stderr[-2000:]
@@ -254,20 +258,15 @@ def test_hash_records_the_wide_forward():
     warpgroups at Dv = 256, three at Dv = 128; HEAD_D is Dv), then the Triton dQ kernel and the split dK/dV one with
     the very constexprs they get after the Triton forward (the backward reads the same saved tensors either way);
     without the key the Triton forward, and the key leaves kernels.TUNE as it was."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
-            "from hf_deltamatch.kernels import launch\n"
-            "cases = S.default_cases()\n"
-            "for name in ('d256-causal-h4:4-fwd-wide', 'd256-full-h16:4-fwd-wide', 'mla-192:128-causal-fwd-wide'):\n"
-            "    base = {k: v for k, v in cases[name].items() if k != 'tune'}\n"
-            "    for tag, case in (('wide', cases[name]), ('base', base)):\n"
-            "        got = [(S.KERNELS[fn.__name__], sorted(cx.items())) for fn, cx, *_ in S.record_launches(case)]\n"
-            "        print(tag, name, repr(got), launch.TUNE)\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
+    stdout = _record(
+        "for name in ('d256-causal-h4:4-fwd-wide', 'd256-full-h16:4-fwd-wide', 'mla-192:128-causal-fwd-wide'):\n"
+        "    base = {k: v for k, v in cases[name].items() if k != 'tune'}\n"
+        "    for tag, case in (('wide', cases[name]), ('base', base)):\n"
+        "        got = [(S.KERNELS[fn.__name__], sorted(cx.items())) for fn, cx, *_ in S.record_launches(case)]\n"
+        "        print(tag, name, repr(got), launch.TUNE)\n"
+    )
     got = {}
-    for ln in res.stdout.splitlines():
+    for ln in stdout.splitlines():
         tag, name, rest = ln.split(" ", 2)
         launches, tune = rest.rsplit(" ", 1)
         assert tune == "{}", ln
@@ -287,19 +286,14 @@ def test_hash_records_the_window_launches():
     (launch.HOPPER_WINDOW off) and, with the case's TUNE hopper_window, the three Gluon kernels with HAS_WINDOW, dense
     (N = 8192), ragged (N = 8000: their padded variant) and packed, with the dK/dV kernel's pairs, peeled diagonal and
     pipelined dK MMA off; the unwindowed Gluon launches have HAS_WINDOW off, and the case's TUNE is gone after it."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
-            "from hf_deltamatch.kernels import launch\n"
-            "cases = S.default_cases()\n"
-            "for name in ('d128-window', 'd128-gluon-window-h4:4-n8192', 'd64-gluon-window-h16:4-n8000',\n"
-            "             'd128-gluon-window-packed', 'd128-causal-h4:4-n8192-fp8-matching'):\n"
-            "    print(name, [(S.KERNELS[fn.__name__], cx.get('HAS_WINDOW'), cx.get('VARLEN'),\n"
-            "                  (cx.get('PAIRS'), cx.get('PEEL'), cx.get('PIPE')))\n"
-            "                 for fn, cx, *_ in S.record_launches(cases[name])], dict(launch.TUNE))\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    got = dict(ln.split(" ", 1) for ln in res.stdout.splitlines())
+    stdout = _record(
+        "for name in ('d128-window', 'd128-gluon-window-h4:4-n8192', 'd64-gluon-window-h16:4-n8000',\n"
+        "             'd128-gluon-window-packed', 'd128-causal-h4:4-n8192-fp8-matching'):\n"
+        "    print(name, [(S.KERNELS[fn.__name__], cx.get('HAS_WINDOW'), cx.get('VARLEN'),\n"
+        "                  (cx.get('PAIRS'), cx.get('PEEL'), cx.get('PIPE')))\n"
+        "                 for fn, cx, *_ in S.record_launches(cases[name])], dict(launch.TUNE))\n"
+    )
+    got = dict(ln.split(" ", 1) for ln in stdout.splitlines())
     none = (None, None, None)
     assert got["d128-window"] == str([("fwd", True, False, none), ("dq", True, False, none),
                                       ("dkdv", True, False, none)]) + " {}"
@@ -321,11 +315,9 @@ def test_gluon_window_kernels_compile_for_sm90_on_the_cpu(variant):
     masked edge loop of each pass adds live values), none in the forward or dK/dV. With 3.9 (not run by default:
     launch.GLUON_TRITON_VERSIONS) the forward 72, the dQ kernel 208 dense and 88 packed, dK/dV none."""
     import triton
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
     res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd",
                           "--operands", "--window", *variant],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
     if res.returncode and "Cannot find" in res.stderr:
         pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
     assert res.returncode == 0, res.stderr[-2000:]

@@ -18,7 +18,6 @@ import inspect
 import logging
 import os
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
