@@ -73,12 +73,18 @@ class Shape:
     D: int
     causal: bool
     window: int | None = None  # a causal sliding window: each query sees its `window` most recent keys
+    Dv: int | None = None  # v's head dim where it differs from q's and k's (MLA: D=192, Dv=128)
+
+    @property
+    def dv(self) -> int:
+        return self.D if self.Dv is None else self.Dv
 
     @property
     def label(self) -> str:
         heads = f"H{self.Hq}" if self.Hq == self.Hkv else f"H{self.Hq}/{self.Hkv}"
         window = f" window {self.window}" if self.window is not None else ""
-        return f"B{self.B} {heads} N{self.N} D{self.D} {'causal' if self.causal else 'full'}{window}"
+        dims = f"D{self.D}" if self.Dv is None else f"D{self.D}/{self.Dv}"
+        return f"B{self.B} {heads} N{self.N} {dims} {'causal' if self.causal else 'full'}{window}"
 
 
 # ANCHORS.md: B*N = 16384 tokens, hidden 2048 -> Hq = 2048 / D. N = 65536 runs at B = 1 (as ANCHORS.md).
@@ -97,6 +103,10 @@ PRESETS = {
     # "{'hopper_window': True}" (launch.HOPPER_WINDOW, off by default), the Triton kernels without
     "window4096": Shape("window4096", 2, 16, 16, 8192, 128, True, 4096),
     "window128": Shape("window128", 2, 16, 16, 8192, 128, True, 128),
+    # head dim 256 (Gemma 3, Qwen3-Next) and MLA's Dqk=192 / Dv=128 (DeepSeek-V3, Kimi Linear); the Gluon forward
+    # with --tune "{'hopper_fwd_wide': True}" (launch.HOPPER_FWD_WIDE), the Triton kernels without
+    "d256": Shape("d256", 2, 8, 8, 8192, 256, True),
+    "mla": Shape("mla", 2, 16, 16, 8192, 192, True, Dv=128),
 }
 QUICK = ["n8192c"]
 # Dry run (CPU, reference backend): GQA + causal, and full attention with a short last tile.
@@ -116,12 +126,12 @@ ANCHOR_NAMES = {"fa4": "FA4 est.", "cudnn-fp8": "cuDNN FP8 est."}
 
 def parse_shape(token: str) -> Shape:
     """A preset name, or a custom shape like `B2-H16-KV4-N8192-D128-causal` (KV defaults to H; `full`; `W4096`: a
-    causal sliding window of 4096 keys)."""
+    causal sliding window of 4096 keys; `DV128`: v's head dim where it differs from D)."""
     if token in PRESETS:
         return PRESETS[token]
     fields = {"causal": True}
     for part in token.split("-"):
-        m = re.fullmatch(r"(B|H|KV|N|D|W)(\d+)", part, flags=re.IGNORECASE)
+        m = re.fullmatch(r"(B|H|KV|N|DV|D|W)(\d+)", part, flags=re.IGNORECASE)
         if m:
             fields[m.group(1).upper()] = int(m.group(2))
         elif part.lower() in ("causal", "full"):
@@ -137,17 +147,19 @@ def parse_shape(token: str) -> Shape:
         raise ValueError(f"shape {token!r}: H ({fields['H']}) must be a multiple of KV ({hkv})")
     if "W" in fields and not (fields["causal"] and fields["W"] >= 1):
         raise ValueError(f"shape {token!r}: a window (W) needs causal and W >= 1")
-    return Shape(token, fields["B"], fields["H"], hkv, fields["N"], fields["D"], fields["causal"], fields.get("W"))
+    return Shape(token, fields["B"], fields["H"], hkv, fields["N"], fields["D"], fields["causal"], fields.get("W"),
+                 fields.get("DV"))
 
 
 def attention_flops(shape: Shape) -> dict:
-    """FlashAttention convention: fwd = 4*B*Hq*N^2*D (halved for causal), bwd = 2.5 fwd, fwd+bwd = 3.5 fwd; with a
-    sliding window of W keys, 4*B*Hq*D times the pairs it shows (W*N - W*(W-1)/2, for W <= N)."""
+    """FlashAttention convention: fwd = 2*B*Hq*(D + Dv) per query-key pair shown (4*B*Hq*N^2*D at D = Dv, halved
+    for causal), bwd = 2.5 fwd, fwd+bwd = 3.5 fwd; a sliding window of W keys shows W*N - W*(W-1)/2 pairs (W <= N)."""
+    per_pair = 2.0 * shape.B * shape.Hq * (shape.D + shape.dv)
     if shape.window is not None:
         w = min(shape.window, shape.N)
-        fwd = 4.0 * shape.B * shape.Hq * shape.D * (w * shape.N - w * (w - 1) / 2)
+        fwd = per_pair * (w * shape.N - w * (w - 1) / 2)
         return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}
-    fwd = 4.0 * shape.B * shape.Hq * shape.N * shape.N * shape.D * (0.5 if shape.causal else 1.0)
+    fwd = per_pair * shape.N * shape.N * (0.5 if shape.causal else 1.0)
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}
 
 
@@ -544,8 +556,8 @@ def run_shape(shape: Shape, ops, args, device, log) -> dict:
     kw = {"device": device, "dtype": torch.bfloat16}
     q = torch.randn(shape.B, shape.Hq, shape.N, shape.D, **kw).requires_grad_()
     k = torch.randn(shape.B, shape.Hkv, shape.N, shape.D, **kw).requires_grad_()
-    v = torch.randn(shape.B, shape.Hkv, shape.N, shape.D, **kw).requires_grad_()
-    do = torch.randn(shape.B, shape.Hq, shape.N, shape.D, **kw)
+    v = torch.randn(shape.B, shape.Hkv, shape.N, shape.dv, **kw).requires_grad_()
+    do = torch.randn(shape.B, shape.Hq, shape.N, shape.dv, **kw)
 
     ref = None
     if not args.skip_correctness:

@@ -197,6 +197,75 @@ def instrument(model, device):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Where the step time goes: one profiled step, its kernels by category (--profile)
+# ----------------------------------------------------------------------------------------------------
+
+# (category, regex on the kernel name, or on the op name on CPU), first match wins (FLA's chunk_gated_delta_*
+# before this package's _delta). Names are the kernels' as the
+# profiler reports them: cuBLAS/CUTLASS GEMMs (nvjet, sm90_xmma, cutlass; fp8 ones through _scaled_mm), this
+# package's Triton and Gluon kernels (_fwd, _bwd_*, *_hopper, _quantize...), FLA's gated delta rule kernels,
+# torch.compile's generated ones (triton_poi/red/per_), ATen's elementwise and reduction kernels.
+PROFILE_CATEGORIES = [
+    ("matmul", r"gemm|nvjet|xmma|cutlass|cublas|_scaled_mm|aten::(addmm|mm|bmm|matmul|linear)$"),
+    ("gated deltanet", r"chunk_|solve_tril|recompute_w_u|prepare_wy|l2norm|fused_recurrent|gated_delta|kkt"),
+    ("short conv", r"conv"),
+    ("attention", r"_fwd_kernel|_fwd_hopper|_bwd_|_hopper_kernel|_quantize|_token_major|_delta|flash|fmha|cudnn"
+                  r"|attention|sdpa"),
+    ("optimizer", r"multi_tensor|adam|_foreach"),
+    ("loss (softmax, cross-entropy)", r"softmax|cross_entropy|nll|log_softmax"),
+    ("norms", r"norm"),
+    ("torch.compile kernels", r"^triton_"),
+    ("copies, casts, fills", r"copy|Memcpy|Memset|fill|cat|CatArray|to_copy|convert|cast"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise|mul|add|silu|sigmoid|exp|neg|div|where"),
+    ("reductions", r"reduce|sum|mean|max|amax|norm"),
+]
+
+
+def categorize(name: str) -> str:
+    import re
+
+    for category, pattern in PROFILE_CATEGORIES:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return category
+    return "other"
+
+
+def profile_step(step, sync, device, top: int = 15) -> dict:
+    """Runs `step` once under torch.profiler: GPU kernel time by category (PROFILE_CATEGORIES) and the top kernels,
+    against the step's wall time (the difference: the GPU idle, waiting for the host). On a CPU: self CPU time
+    of the ATen ops instead (no claim about a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    kernels = {}
+    for event in prof.key_averages():
+        if cuda:
+            us = getattr(event, "self_device_time_total", None)
+            if us is None:
+                us = getattr(event, "self_cuda_time_total", 0.0)
+        else:
+            us = event.self_cpu_time_total if event.key.startswith("aten::") else 0.0
+        if us > 0:
+            kernels[event.key] = kernels.get(event.key, 0.0) + us / 1e3
+    by_category = {}
+    for name, ms in kernels.items():
+        by_category[categorize(name)] = by_category.get(categorize(name), 0.0) + ms
+    busy = sum(kernels.values())
+    return {
+        "wall_ms": wall_ms, "busy_ms": busy, "what": "GPU kernel time" if cuda else "self CPU time of ATen ops",
+        "categories": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+        "top": [{"name": n[:160], "ms": ms, "category": categorize(n)}
+                for n, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]],
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
 # One configuration (runs in its own process)
 # ----------------------------------------------------------------------------------------------------
 
@@ -313,6 +382,10 @@ def run_one(spec: dict) -> dict:
         gdn_ms += gdn_timer.take_ms() if gdn_timer is not None else 0.0
         conv_ms += conv_timer.take_ms() if conv_timer is not None else 0.0
         opt_ms += opt_timer.take_ms()
+    for timer in (attn_timer, gdn_timer, conv_timer, opt_timer):
+        if timer is not None:
+            timer.enabled = False
+    profile = profile_step(step, sync, device) if spec.get("profile") else None
     undo()
     total_ms = sum(step_ms)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
@@ -341,7 +414,7 @@ def run_one(spec: dict) -> dict:
         "attention_share": attn_ms / total_ms, "gdn_share": gdn_ms / total_ms if gdn_timer is not None else None,
         "short_conv_share": conv_ms / total_ms if conv_timer is not None else None,
         "optimizer_share": opt_ms / total_ms,
-        "attention_calls": attn_timer.calls, "losses": losses,
+        "attention_calls": attn_timer.calls, "losses": losses, "profile": profile,
     }
 
 
@@ -411,6 +484,28 @@ def report_md(report) -> str:
         lines += ["", f"FLOPs per step of the first row: dense {f['dense']:.3g}, attention {f['attention']:.3g}, "
                   f"Gated DeltaNet {f['gdn']:.3g} (P = {r['params_matmul'] / 1e9:.3f} B of "
                   f"{r['params_total'] / 1e9:.3f} B parameters)."]
+    profiled = [r for r in ok if r.get("profile")]
+    if profiled:
+        lines += ["", "## Where the step time goes (one profiled step after the timed ones)", "",
+                  f"{profiled[0]['profile']['what']} by category (PROFILE_CATEGORIES: kernel names), ms per step and "
+                  "the share of the step's wall time; idle: wall time without a kernel running (the host "
+                  "behind, synchronizations).", ""]
+        cats = []
+        for r in profiled:
+            cats += [c for c in r["profile"]["categories"] if c not in cats]
+        lines += ["| setting | attn | linears | wall ms | " + " | ".join(cats) + " | idle |",
+                  "|---|---|---|---|" + "---|" * (len(cats) + 1)]
+        for r in profiled:
+            p = r["profile"]
+            cells = [f"{_fmt(p['categories'].get(c), '.0f')} ({_fmt(p['categories'].get(c, 0) / p['wall_ms'], '.0%')})"
+                     for c in cats]
+            idle = max(p["wall_ms"] - p["busy_ms"], 0.0)
+            lines.append(f"| {r['setting']} | {r['attn']} | {r['linears']} | {_fmt(p['wall_ms'], '.0f')} | "
+                         + " | ".join(cells) + f" | {_fmt(idle, '.0f')} ({_fmt(idle / p['wall_ms'], '.0%')}) |")
+        for r in profiled:
+            lines += ["", f"Top kernels, {r['setting']} {r['attn']} {r['linears']}:", "",
+                      "| kernel | category | ms |", "|---|---|---|"]
+            lines += [f"| `{k['name'][:100]}` | {k['category']} | {_fmt(k['ms'], '.1f')} |" for k in r["profile"]["top"]]
     return "\n".join(lines) + "\n"
 
 
@@ -436,6 +531,9 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="for MFU (default: 989.4 on H100/H200, none elsewhere)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, one step under torch.profiler: kernel time by category and the top "
+                        "kernels (where the step time goes)")
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run one JSON spec, write the result there
     args = p.parse_args(argv)
     args.extra = extra
@@ -490,6 +588,7 @@ def main(argv=None) -> int:
                 with tempfile.TemporaryDirectory() as tmp:
                     spec = {**row, "device": args.device, "warmup": args.warmup, "steps": args.steps,
                             "docs_per_row": args.docs_per_row, "extra": args.extra, "peak_tflops": peak,
+                            "profile": args.profile,
                             "result": str(Path(tmp) / "result.json")}
                     (Path(tmp) / "spec.json").write_text(json.dumps(spec))
                     try:

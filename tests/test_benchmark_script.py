@@ -42,7 +42,7 @@ def test_flop_convention_matches_anchors(bench):
 
 def test_presets_follow_anchors(bench):
     for name, s in bench.PRESETS.items():
-        assert s.Hq * s.D == 2048, name  # hidden 2048
+        assert s.Hq * s.dv == 2048, name  # hidden 2048 (MLA: v's head dim)
         assert s.B * s.N == 16384 or name in ("n65536c", "ragged"), name
     assert bench.PRESETS["ragged"].N % 128 and bench.PRESETS["ragged"].causal  # the Gluon kernels' padded path
     assert bench.PRESETS["gqa"].Hkv == 4 and bench.PRESETS["n8192f"].causal is False
@@ -58,6 +58,15 @@ def test_parse_shape(bench):
         bench.parse_shape("B2-H16-X9")
     with pytest.raises(ValueError, match="multiple"):
         bench.parse_shape("B1-H6-KV4-N128-D64")
+    s = bench.parse_shape("B2-H16-N8192-D192-DV128-causal")  # MLA
+    assert (s.D, s.dv, s.Dv) == (192, 128, 128) and "D192/128" in s.label
+    assert bench.parse_shape("B1-H8-N1024-D64-full").dv == 64
+
+
+def test_mla_flops_count_both_head_dims(bench):
+    mla = bench.PRESETS["mla"]
+    # QK^T at Dqk=192 and PV at Dv=128: 2*(192 + 128) per causal pair shown, times B*Hq
+    assert bench.attention_flops(mla)["fwd"] == 2 * 2 * 16 * (192 + 128) * 8192**2 / 2
 
 
 def _fake_report(bench):

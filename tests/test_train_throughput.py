@@ -135,7 +135,7 @@ def test_cpu_run_two_steps(tp, tmp_path):
 
     if gdn_backend() == "fla":
         pytest.skip("flash-linear-attention is installed: the tiny hybrid's Gated DeltaNet would need CUDA")
-    rc = tp.main(["--settings", TINY, "--device", "cpu", "--warmup", "1", "--steps", "2",
+    rc = tp.main(["--settings", TINY, "--device", "cpu", "--warmup", "1", "--steps", "2", "--profile",
                   "--attn", "deltamatch_fp8,flash_attention_2", "--out", str(tmp_path)])
     assert rc == 0
     (js,) = tmp_path.glob("train-throughput-*-cpu.json")
@@ -150,7 +150,30 @@ def test_cpu_run_two_steps(tp, tmp_path):
     assert ok["attention_share"] + ok["gdn_share"] + ok["short_conv_share"] + ok["optimizer_share"] < 1
     assert all(torch.isfinite(torch.tensor(ok["losses"])))
     assert ok["mfu"] is None and ok["achieved_tflops"] > 0  # no peak known for a CPU
-    assert "deltamatch_fp8" in js.with_suffix(".md").read_text()
+    prof = ok["profile"]  # --profile: one more step, its ATen ops' self CPU time by category
+    assert prof["categories"]["matmul"] > 0 and prof["wall_ms"] > 0 and len(prof["top"]) <= 15
+    assert abs(sum(prof["categories"].values()) - prof["busy_ms"]) < 1e-6 * prof["busy_ms"] + 1e-9
+    md = js.with_suffix(".md").read_text()
+    assert "deltamatch_fp8" in md and "Where the step time goes" in md and "Top kernels" in md
+
+
+def test_profile_categories_of_gpu_kernel_names(tp):
+    expect = {
+        "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN": "matmul",
+        "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128": "matmul",
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": "gated deltanet",  # not attention's _delta
+        "recompute_w_u_fwd_kernel": "gated deltanet",
+        "_bwd_dkdv_hopper_kernel": "attention", "_fwd_kernel": "attention", "_quantize_kernel": "attention",
+        "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>": "attention",
+        "causal_conv1d_fwd_kernel": "short conv",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "triton_red_fused__log_softmax_0": "loss (softmax, cross-entropy)",
+        "triton_poi_fused_mul_0": "torch.compile kernels",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float>>": "elementwise",
+        "Memcpy DtoD (Device -> Device)": "copies, casts, fills",
+        "some_kernel_nobody_knows": "other",
+    }
+    assert {name: tp.categorize(name) for name in expect} == expect
 
 
 @pytest.mark.gpu
