@@ -103,8 +103,8 @@ PRESETS = {
     # "{'hopper_window': True}" (launch.HOPPER_WINDOW, off by default), the Triton kernels without
     "window4096": Shape("window4096", 2, 16, 16, 8192, 128, True, 4096),
     "window128": Shape("window128", 2, 16, 16, 8192, 128, True, 128),
-    # head dim 256 (Gemma 3, Qwen3-Next) and MLA's Dqk=192 / Dv=128 (DeepSeek-V3, Kimi Linear); the Gluon forward
-    # with --tune "{'hopper_fwd_wide': True}" (launch.HOPPER_FWD_WIDE), the Triton kernels without
+    # head dim 256 (Gemma 3, Qwen3-Next) and MLA's Dqk=192 / Dv=128 (DeepSeek-V3, Kimi Linear): the Gluon forward
+    # (launch.HOPPER_FWD_WIDE; the Triton one with --tune "{'hopper_fwd_wide': False}"), the Triton backward
     "d256": Shape("d256", 2, 8, 8, 8192, 256, True),
     "mla": Shape("mla", 2, 16, 16, 8192, 192, True, Dv=128),
 }

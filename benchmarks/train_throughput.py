@@ -215,7 +215,7 @@ PROFILE_CATEGORIES = [
     ("loss (softmax, cross-entropy)", r"softmax|cross_entropy|nll|log_softmax"),
     ("norms", r"norm"),
     ("torch.compile kernels", r"^triton_"),
-    ("copies, casts, fills", r"copy|Memcpy|Memset|fill|cat|CatArray|to_copy|convert|cast"),
+    ("copies, casts, fills", r"copy|Memcpy|Memset|fill|CatArray|\bcat\b|convert"),  # not "cast": ATen's *_nocast
     ("elementwise", r"elementwise|vectorized|unrolled|pointwise|mul|add|silu|sigmoid|exp|neg|div|where"),
     ("reductions", r"reduce|sum|mean|max|amax|norm"),
 ]

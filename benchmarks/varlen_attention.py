@@ -27,6 +27,22 @@ def _varlen_attn():
     return varlen_attn
 
 
+def _half_dtype(module, query) -> torch.dtype:
+    """The 16-bit dtype FlashAttention-2 runs in: the query's; for fp32 inputs (the model's rotary embedding or
+    norms upcast under autocast) autocast's dtype, else the module's 16-bit weights' (transformers' flash-attention
+    integration does the same)."""
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return query.dtype
+    if torch.is_autocast_enabled(query.device.type):
+        return torch.get_autocast_dtype(query.device.type)
+    weight = next((p for p in module.parameters() if p.dtype in (torch.float16, torch.bfloat16)), None)
+    if weight is None:
+        raise ValueError(f"{NAME} runs FlashAttention-2, which takes fp16 or bf16: got {query.dtype} inputs outside "
+                         "autocast and no 16-bit weights; run under torch.autocast(dtype=torch.bfloat16) or cast the "
+                         "model to bf16.")
+    return weight.dtype
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              sliding_window=None, softcap=None, **kwargs):
     """transformers' attention-function signature: query (B, Hq, S, D), key/value (B, Hkv, S, D); returns
@@ -59,7 +75,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
         longest = int((cu[1:] - cu[:-1]).max())
     causal = bool(getattr(module, "is_causal", True))
     window = (sliding_window - 1 if sliding_window else -1, 0) if causal else (-1, -1)
-    flat = lambda x: x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3])  # noqa: E731  (B*S, H, D)
+    dtype = _half_dtype(module, query)
+    flat = lambda x: x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3]).to(dtype)  # noqa: E731  (B*S, H, D)
     q, k, v = flat(query), flat(key), flat(value)
     attn = _varlen_attn()
     gqa = {}

@@ -571,9 +571,9 @@ def test_gluon_case_and_why_not(monkeypatch):
 
 
 def test_gluon_forward_wide_dims_dispatch(monkeypatch):
-    """The Gluon forward at D=256 and MLA's Dqk=192 / Dv=128 (launch.FWD_HOPPER_WIDE_DIMS): off by default, with the
-    dispatch log's reason; with TUNE["hopper_fwd_wide"] (or HOPPER_FWD_WIDE) on dense batches of N = M a multiple
-    of 128, causal or full, GQA or not, and nowhere else (varlen, window, ragged N, N != M, bf16, other head dims:
+    """The Gluon forward at D=256 and MLA's Dqk=192 / Dv=128 (launch.FWD_HOPPER_WIDE_DIMS): on by default
+    (HOPPER_FWD_WIDE); TUNE["hopper_fwd_wide"] = False turns it off with the dispatch log's reason; on dense batches
+    of N = M a multiple of 128, causal or full, GQA or not, and nowhere else (varlen, window, ragged N, N != M, bf16, other head dims:
     each with its reason). dQ and dK/dV stay on the Triton kernels there whatever their own switches say, and the
     forward's launch config is two warpgroups of 240 registers at Dv = 256, the D=128 one at Dv = 128. Host logic
     with the capability and Triton version faked (tests/test_kernels_gpu.py::test_fwd_hopper_wide runs the kernel)."""
@@ -595,12 +595,13 @@ def test_gluon_forward_wide_dims_dispatch(monkeypatch):
     def why(dqk, dv, **change):
         return KL._hopper_why_not(**KL._fwd_case(**{**fwd, "dqk": dqk, "dv": dv, **change}))
 
-    assert not KL.HOPPER_FWD_WIDE  # off until its GPU tests pass on the H200
-    for dqk, dv in KL.FWD_HOPPER_WIDE_DIMS:
-        assert not on(dqk, dv) and "HOPPER_FWD_WIDE" in why(dqk, dv), why(dqk, dv)
-    assert on(128, 128) and on(64, 64)  # the D 64 / 128 dispatch as before
+    assert KL.HOPPER_FWD_WIDE  # on: its GPU tests passed on the H200 (Triton 3.6 and 3.9)
     try:
-        K.TUNE["hopper_fwd_wide"] = True
+        K.TUNE["hopper_fwd_wide"] = False
+        for dqk, dv in KL.FWD_HOPPER_WIDE_DIMS:
+            assert not on(dqk, dv) and "HOPPER_FWD_WIDE" in why(dqk, dv), why(dqk, dv)
+        assert on(128, 128) and on(64, 64)  # the D 64 / 128 dispatch as before
+        del K.TUNE["hopper_fwd_wide"]
         for dqk, dv in KL.FWD_HOPPER_WIDE_DIMS:
             for causal in (True, False):
                 for n in (128, 2048, 8192):
@@ -622,6 +623,8 @@ def test_gluon_forward_wide_dims_dispatch(monkeypatch):
         assert not on(256, 256)
     finally:
         K.TUNE.clear()
+    monkeypatch.setattr(KL, "HOPPER_FWD_WIDE", False)
+    assert not on(256, 256) and not on(192, 128)
     monkeypatch.setattr(KL, "HOPPER_FWD_WIDE", True)
     assert on(256, 256) and on(192, 128)
     from hf_deltamatch.kernels import fwd_hopper

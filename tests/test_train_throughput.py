@@ -171,6 +171,10 @@ def test_profile_categories_of_gpu_kernel_names(tp):
         "triton_poi_fused_mul_0": "torch.compile kernels",
         "void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float>>": "elementwise",
         "Memcpy DtoD (Device -> Device)": "copies, casts, fills",
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel"
+        "_cuda(at::TensorIteratorBase&)": "copies, casts, fills",
+        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<"
+        "float, float, float, at::native::binary_internal::MulFunctor<float>>>": "elementwise",
         "some_kernel_nobody_knows": "other",
     }
     assert {name: tp.categorize(name) for name in expect} == expect
@@ -193,7 +197,7 @@ def test_hybrid_1p7b_step_fits_and_runs(tp, tmp_path, setting):
 # --- torch_varlen: the packed rows' baseline (benchmarks/varlen_attention.py) ---------------------------------
 
 @pytest.fixture
-def varlen():
+def varlen(tp):
     import varlen_attention  # benchmarks/ is on sys.path once the tp fixture's script is imported
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -225,6 +229,13 @@ def test_varlen_baseline_registers_and_refuses_what_it_cannot_run(tp, varlen):
         varlen.varlen_attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match="CUDA"):
         varlen.varlen_attention_forward(module, q, kv, kv, None)
+    assert varlen._half_dtype(module, q.bfloat16()) == torch.bfloat16  # 16-bit inputs keep their dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 inputs (upcast rotary/norms): autocast's dtype
+        assert varlen._half_dtype(module, q) == torch.bfloat16
+    with pytest.raises(ValueError, match="autocast"):  # fp32, no autocast, no 16-bit weights: what to do
+        varlen._half_dtype(module, q)
+    module.proj = torch.nn.Linear(2, 2, dtype=torch.float16)
+    assert varlen._half_dtype(module, q) == torch.float16
     module.training = True
     with pytest.raises(ValueError, match="dropout"):
         varlen.varlen_attention_forward(module, q, kv, kv, None, dropout=0.1)
@@ -233,9 +244,9 @@ def test_varlen_baseline_registers_and_refuses_what_it_cannot_run(tp, varlen):
 
 @pytest.mark.gpu
 def test_varlen_baseline_equals_sdpa_per_document(varlen):
-    """On a packed row of three documents (GQA 8/2, D=128, causal), from cu_seq_lens and from position_ids alike:
-    out and the q/k/v gradients equal SDPA run on each document alone, to bf16 rounding (both are FlashAttention-
-    style bf16 kernels: 2e-2 relative)."""
+    """On a packed row of three documents (GQA 8/2, D=128, causal), from cu_seq_lens and from position_ids alike,
+    bf16 inputs and fp32 ones under autocast: out and the q/k/v gradients equal SDPA run on each document alone, to
+    bf16 rounding (both are FlashAttention-style bf16 kernels: 2e-2 relative)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     lens = [700, 129, 1219]
@@ -266,6 +277,11 @@ def test_varlen_baseline_equals_sdpa_per_document(varlen):
         got = grads(lambda q_, k_, v_: varlen.varlen_attention_forward(module, q_, k_, v_, None, **kw)[0])
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
             assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()).item() < 2e-2, (name, kw.keys())
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 inputs, as a model's upcast rotary gives them
+        got = grads(lambda q_, k_, v_: varlen.varlen_attention_forward(module, q_.float(), k_.float(), v_.float(),
+                                                                       None, position_ids=pos)[0])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()).item() < 2e-2, (name, "fp32 in autocast")
 
 
 @pytest.mark.gpu

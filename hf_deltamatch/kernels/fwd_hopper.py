@@ -18,8 +18,8 @@ Per key tile of 128 keys, in one warpgroup (rows r0 .. r0+63):
     P * 256 = exp2(S f - m' + 8),  alpha = exp2(m - m'),  l = l alpha + rowsum(P * 256)
     O = O * alpha * (c / c') + (P * 256)8 v8,  c' = sv / 256   (O is kept in units of the last tile's c')
 and at the end O * c / (l / 256), LSE = (m + log2(l / 256)) ln 2. The Triton kernel's values and roundings.
-Off by default (launch.HOPPER_FWD_WIDE), also Dv = 256 with Dqk = 256 (two MMA warpgroups: WIDE_WARPGROUPS) and
-MLA's Dqk = 192 / Dv = 128 (three), on dense batches of N = M a multiple of 128: the same 128-key tiles and steps.
+Also Dv = 256 with Dqk = 256 (two MMA warpgroups: WIDE_WARPGROUPS) and MLA's Dqk = 192 / Dv = 128 (three), on
+dense batches of N = M a multiple of 128 (launch.HOPPER_FWD_WIDE): the same 128-key tiles and steps.
 Gluon has no interpreter; tests/test_kernels_gpu.py::test_fwd_hopper_kernel holds it to `_fwd_kernel`.
 """
 
