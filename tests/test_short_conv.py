@@ -137,8 +137,11 @@ def test_bad_boundaries_raise():
 def test_describe_says_what_runs():
     assert describe(modeling_qwen3_5.causal_conv1d_fn) == \
         "torch conv1d over the whole packed row (not restarted at document starts)"
-    assert describe(document_aware(modeling_qwen3_5.causal_conv1d_fn)).startswith(
-        "torch conv1d, restarted at every packed document start")
+    from hf_deltamatch.training import short_conv
+
+    expect = ("flash-linear-attention's Triton causal_conv1d with cu_seqlens on CUDA" if short_conv.fla_causal_conv1d()
+              else "torch conv1d, restarted at every packed document start")
+    assert describe(document_aware(modeling_qwen3_5.causal_conv1d_fn)).startswith(expect)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -312,3 +315,108 @@ def test_causal_conv1d_kernel_with_seq_idx_matches_exact_per_document_conv():
     out = wrapped(x, w, b, activation="silu", cu_seq_lens_q=_cu(lengths).to(torch.int32).cuda())
     torch.testing.assert_close(out, packed_causal_conv1d(x, w, b, _cu(lengths).cuda(), "silu"), atol=1e-2,
                                rtol=2 ** -7)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# flash-linear-attention's Triton conv: packed calls on CUDA where FLA is installed (short_conv.USE_FLA_CONV)
+
+
+def _fla_conv_single_config():
+    """FLA's Triton causal conv with one config per autotuned kernel (the interpreter cannot autotune), or skip."""
+    pytest.importorskip("einops")
+    fla_conv = pytest.importorskip("fla.modules.causal_conv1d.ops")
+    from triton.runtime.autotuner import Autotuner, Heuristics
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        for name in dir(fla_conv):
+            obj = getattr(fla_conv, name)
+            while isinstance(obj, (Autotuner, Heuristics)):
+                if isinstance(obj, Autotuner):
+                    obj.configs = obj.configs[:1]
+                obj = obj.fn
+    return fla_conv.causal_conv1d
+
+
+def test_packed_calls_on_cuda_take_fla_conv_in_place(monkeypatch):
+    """Where FLA applies (CUDA, FLA installed, USE_FLA_CONV), a packed call goes to FLA's conv with the layer's
+    channel-last activations read in place (no transpose copy), int32 cu_seqlens and the activation, and returns a
+    transposed view of FLA's channel-last output (the layer's transpose back is then free); calls without
+    boundaries stay the original function's. FLA is stood in for by the exact packed conv in its layout."""
+    from hf_deltamatch.training import short_conv
+
+    calls = []
+
+    def fake_fla(x, weight, bias, activation=None, cu_seqlens=None):
+        calls.append((x, cu_seqlens, activation))
+        out = packed_causal_conv1d(x.transpose(1, 2), weight, bias, cu_seqlens, activation)
+        return out.transpose(1, 2).contiguous(), None  # FLA's layout: channel-last
+
+    monkeypatch.setattr(short_conv, "fla_causal_conv1d", lambda: fake_fla)
+    monkeypatch.setattr(short_conv, "_fla_applies", lambda x: short_conv.USE_FLA_CONV)
+    lengths = [5, 1, 2, 3, 40]
+    x, w, b = _inputs(sum(lengths), torch.float64)
+    wrapped = document_aware(modeling_qwen3_5.causal_conv1d_fn)
+    out = wrapped(x, w, b, activation="silu", cu_seq_lens_q=_cu(lengths))
+    torch.testing.assert_close(out, _per_document(x, w, b, lengths, "silu"), atol=1e-12, rtol=1e-12)
+    (xin, cu, act), = calls
+    assert xin.is_contiguous() and xin.data_ptr() == x.data_ptr() and xin.shape == (1, sum(lengths), 24)
+    assert cu.dtype == torch.int32 and cu.tolist() == _cu(lengths).tolist() and act == "silu"
+    assert out.transpose(1, 2).is_contiguous()
+    assert torch.equal(wrapped(x, w, b, activation="silu"), modeling_qwen3_5.causal_conv1d_fn(x, w, b, "silu"))
+    assert len(calls) == 1  # no boundaries: the original function
+    with pytest.raises(ValueError, match="silu or no activation"):
+        wrapped(x, w, b, activation="gelu", cu_seq_lens_q=_cu(lengths))
+    with pytest.raises(ValueError, match="row length"):
+        wrapped(x, w, b, activation="silu", cu_seq_lens_q=torch.tensor([0, 4, 9]))
+    monkeypatch.setattr(short_conv, "USE_FLA_CONV", False)  # switched off: the torch conv
+    torch.testing.assert_close(wrapped(x, w, b, activation="silu", cu_seq_lens_q=_cu(lengths)), out,
+                               atol=1e-12, rtol=1e-12)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_fla_conv_equals_exact_packed_conv_with_gradients(activation):
+    """FLA's Triton causal conv (the interpreter on CPU, the kernel on CUDA) against packed_causal_conv1d in fp32,
+    documents of 1, K - 1 and longer, forward and the gradients of x, weight and bias: 1e-5 (fp32 sums of 4
+    products in another order; measured ≤ 8e-6)."""
+    fla_conv = _fla_conv_single_config()
+    from hf_deltamatch.training import short_conv
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lengths = [50, 1, 3, 76, 70]
+    x, w, b = (t.to(device).requires_grad_() for t in _inputs(sum(lengths), torch.float32, channels=64))
+    cu = _cu(lengths).to(device)
+    try:
+        short_conv.fla_causal_conv1d, saved = (lambda: fla_conv), short_conv.fla_causal_conv1d
+        got = short_conv.fla_packed_causal_conv1d(x, w, b, cu, activation)
+    finally:
+        short_conv.fla_causal_conv1d = saved
+    ref = packed_causal_conv1d(x, w, b, cu, activation)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(ref)
+    for a, r in zip(torch.autograd.grad(got, (x, w, b), g), torch.autograd.grad(ref, (x, w, b), g)):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_conv_under_autocast_matches_the_torch_conv_on_gpu():
+    """As the recipes run it (bf16 activations, fp32 weights, bf16 autocast): FLA's conv against the torch packed
+    conv, output and gradients within bf16 rounding (rtol 2^-7 on the output; 2e-2 relative on gradients, which
+    the two sum over T in different orders and precisions)."""
+    fla_conv = _fla_conv_single_config()
+    from hf_deltamatch.training import short_conv
+
+    lengths = [5, 1, 2, 3, 3000, 17, 1100]
+    x, w, b = _inputs(sum(lengths), torch.float32, channels=512)
+    x = x.cuda().bfloat16().requires_grad_()
+    w, b = w.cuda().requires_grad_(), b.cuda().requires_grad_()
+    cu = _cu(lengths).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = short_conv.fla_packed_causal_conv1d(x, w, b, cu, "silu")
+        ref = packed_causal_conv1d(x, w, b, cu, "silu")
+    assert got.dtype == ref.dtype == torch.bfloat16 and fla_conv is not None
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=2 ** -7)
+    g = torch.randn_like(ref)
+    for a, r in zip(torch.autograd.grad(got, (x, w, b), g), torch.autograd.grad(ref, (x, w, b), g)):
+        assert ((a.float() - r.float()).norm() / r.float().norm()).item() < 2e-2

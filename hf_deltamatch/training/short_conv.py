@@ -4,9 +4,14 @@ transformers' Qwen3.5 / Qwen3-Next Gated DeltaNet layers hand the packed row's b
 flash-linear-attention's varlen gated delta rule, but call their depthwise causal conv (`causal_conv1d_fn`, the
 torch fallback being F.conv1d with left padding) on the whole row, so a document's first kernel_size - 1 outputs
 read the previous document's last tokens. `packed_causal_conv1d` is that conv computed exactly per document;
-`document_aware` wraps a modeling module's `causal_conv1d_fn` so that calls carrying boundaries get it (or, when
-transformers resolved the causal-conv1d CUDA kernel, get `seq_idx`, that kernel's own reset), while every other
-call goes to the original function untouched.
+`document_aware` wraps a modeling module's `causal_conv1d_fn` so that calls carrying boundaries get a conv that
+restarts at them, while every other call goes to the original function untouched. Which one, in order:
+- the causal-conv1d CUDA kernel with `seq_idx` (its own reset), where transformers resolved that kernel;
+- on CUDA with flash-linear-attention installed (the hybrids' fast path needs it anyway), FLA's Triton
+  `causal_conv1d` with `cu_seqlens` (`USE_FLA_CONV`). It reads the layer's channel-last activations in place,
+  where torch's depthwise conv needs them transposed and runs a generic kernel: on the H200 at 64K tokens that
+  conv was 8 % of the hybrid's training step;
+- `packed_causal_conv1d` (torch; CPU, or neither of the above).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+
+# Packed calls on CUDA take flash-linear-attention's Triton causal conv where FLA is installed (module docstring)
+USE_FLA_CONV = True
 
 
 def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -104,11 +112,43 @@ def _kind(fn) -> str:
     return "other"
 
 
+def fla_causal_conv1d():
+    """flash-linear-attention's Triton `causal_conv1d` (x (B, T, D), weight (D, W), cu_seqlens), or None where FLA
+    is not installed."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except ImportError:
+        return None
+    return causal_conv1d
+
+
+def _fla_applies(x: torch.Tensor) -> bool:
+    return USE_FLA_CONV and x.is_cuda and fla_causal_conv1d() is not None
+
+
+def fla_packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             cu_seqlens: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    """`packed_causal_conv1d`'s contract through FLA's Triton conv: x (1, C, T) as the layers pass it (a transpose of
+    channel-last activations, read in place), output (1, C, T) in x's dtype, a transposed view of FLA's channel-last
+    output (so the layer's transpose back is free). FLA takes `silu`/`swish` or no activation."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"FLA's causal conv applies silu or no activation, not {activation!r}: set "
+                         "hf_deltamatch.training.short_conv.USE_FLA_CONV = False for the torch conv.")
+    seq_len = x.shape[-1]
+    if cu_seqlens.ndim != 1 or cu_seqlens[[0, -1]].tolist() != [0, seq_len]:
+        raise ValueError(f"cu_seqlens must run from 0 to the row length {seq_len}; got {cu_seqlens.tolist()} "
+                         "(packed rows come as batch 1 from a flattening collator, with boundaries that cover them).")
+    out, _ = fla_causal_conv1d()(x.transpose(1, 2), weight, bias, activation=activation,
+                                 cu_seqlens=cu_seqlens.to(device=x.device, dtype=torch.int32))
+    return out.to(x.dtype).transpose(1, 2)
+
+
 def document_aware(original):
     """`original` (a modeling module's `causal_conv1d_fn`) made to restart at packed document starts.
 
     A call carrying `cu_seq_lens_q` (or `seq_idx`) with batch 1 gets the causal-conv1d kernel with `seq_idx` when
-    that is what transformers resolved, else `packed_causal_conv1d`; any other call is `original`'s, unchanged.
+    that is what transformers resolved, else FLA's Triton conv on CUDA (`fla_packed_causal_conv1d`, where FLA is
+    installed), else `packed_causal_conv1d`; any other call is `original`'s, unchanged.
     """
     if getattr(original, "_hf_dm_documents", False):
         return original
@@ -116,7 +156,8 @@ def document_aware(original):
     impl = resolved_implementation(original)
     if kind == "other":
         log.warning("causal_conv1d_fn resolves to %r, which may not keep packed documents apart; packed calls use "
-                    "the exact torch per-document convolution instead", impl if impl is not None else original)
+                    "FLA's Triton conv (CUDA) or the exact torch per-document convolution instead",
+                    impl if impl is not None else original)
 
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
@@ -131,6 +172,8 @@ def document_aware(original):
         if kind == "causal_conv1d":
             seq_idx = seq_idx if seq_idx is not None else seq_idx_from_boundaries(cu)
             return impl(hidden_states, weight, bias, seq_idx=seq_idx.to(torch.int32), activation=activation)
+        if _fla_applies(hidden_states):
+            return fla_packed_causal_conv1d(hidden_states, weight, bias, cu, activation)
         return packed_causal_conv1d(hidden_states, weight, bias, cu, activation)
 
     causal_conv1d_fn._hf_dm_documents = True
@@ -154,4 +197,7 @@ def describe(fn) -> str:
         return f"{name} over the whole packed row (not restarted at document starts)"
     if fn._hf_dm_kind == "causal_conv1d":
         return f"{name} with seq_idx (restarted at every packed document start)"
+    if USE_FLA_CONV and fla_causal_conv1d() is not None:
+        return ("flash-linear-attention's Triton causal_conv1d with cu_seqlens on CUDA (restarted at every packed "
+                "document start); torch conv1d with an exact per-document recompute elsewhere")
     return "torch conv1d, restarted at every packed document start (exact per-document recompute)"
