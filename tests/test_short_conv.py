@@ -402,8 +402,9 @@ def test_fla_conv_equals_exact_packed_conv_with_gradients(activation):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_conv_under_autocast_matches_the_torch_conv_on_gpu():
     """As the recipes run it (bf16 activations, fp32 weights, bf16 autocast): FLA's conv against the torch packed
-    conv, output and gradients within bf16 rounding (rtol 2^-7 on the output; 2e-2 relative on gradients, which
-    the two sum over T in different orders and precisions)."""
+    conv, output and gradients within bf16 rounding (rtol 2^-6 on the output: the torch conv rounds to bf16 before
+    its SiLU and after, FLA once; 2e-2 relative on gradients, which the two sum over T in different orders and
+    precisions; in the interpreter at 64 channels: 1 ulp on the output, 0.5 % on the gradients)."""
     fla_conv = _fla_conv_single_config()
     from hf_deltamatch.training import short_conv
 
@@ -416,7 +417,7 @@ def test_fla_conv_under_autocast_matches_the_torch_conv_on_gpu():
         got = short_conv.fla_packed_causal_conv1d(x, w, b, cu, "silu")
         ref = packed_causal_conv1d(x, w, b, cu, "silu")
     assert got.dtype == ref.dtype == torch.bfloat16 and fla_conv is not None
-    torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=2 ** -6)
     g = torch.randn_like(ref)
     for a, r in zip(torch.autograd.grad(got, (x, w, b), g), torch.autograd.grad(ref, (x, w, b), g)):
         assert ((a.float() - r.float()).norm() / r.float().norm()).item() < 2e-2
