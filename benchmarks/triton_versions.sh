@@ -11,11 +11,14 @@
 #   operands.log       benchmarks/sm90_registers.py --operands for the dK/dV kernel's default configs (D=128 causal
 #                      and full, D=64 causal and full) and the pipelined MMA forced on (D=128 full): compile-time,
 #                      "operands: ok" or WRONG per config
-#   pytest-gluon.log   pytest -m gpu tests/test_kernels_gpu.py -k "hopper" (the Gluon kernels' GPU tests)
+#   pytest-ids.txt, pytest-gluon-<i>.log
+#                      pytest -m gpu tests/test_kernels_gpu.py -k "hopper" (the Gluon kernels' GPU tests): the ids,
+#                      then TV_PARALLEL (default 4) processes' verbose logs, the ids dealt round-robin
 #   attention-*.json/.md, attention-progress.log
 #                      benchmarks/attention.py on 8K causal/full at D=128 and D=64, fp8-matching vs SDPA cuDNN
 # Budget ~10 min on one H200 (env-overridable, seconds): TV_TOTAL (default 590) for the whole script,
-# TV_PYTEST_TIMEOUT (default 330) for the tests; TV_PYTEST_ARGS replaces the -k selection (e.g. "-k dkdv_hopper");
+# TV_PYTEST_TIMEOUT (default 330) for the tests (each process); TV_PYTEST_ARGS replaces the -k selection (e.g.
+# "-k dkdv_hopper"); TV_PARALLEL (default 4) the test processes;
 # TV_SHAPES (default n8192c,n8192f,d64,B2-H32-KV32-N8192-D64-full) and TV_OPS (default dm-fp8-matching,sdpa-cudnn)
 # for the benchmark; PYTHON (default python3).
 # Exit status: the benchmark's if it failed, else pytest's.
@@ -62,18 +65,48 @@ done
 echo "== operand checks (operands.log) =="
 grep -E "^== |operands: " "$OUT/operands.log"
 
-# 2. The Gluon kernels' GPU tests.
-# shellcheck disable=SC2086  # TV_PYTEST_ARGS is meant to split into arguments
-timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest -m gpu tests/test_kernels_gpu.py -q -p no:cacheprovider -rs \
-    ${TV_PYTEST_ARGS:--k hopper} > "$OUT/pytest-gluon.log" 2>&1
-pytest_rc=$?
+# 2. The Gluon kernels' GPU tests, in TV_PARALLEL processes (their compiles dominate and run on the host's cores): the
+#    selected test ids dealt round-robin, each process verbose, so that a log names every test that passed before a
+#    time limit stopped it.
+PARALLEL="${TV_PARALLEL:-4}"
+# shellcheck disable=SC2206  # TV_PYTEST_ARGS is meant to split into arguments
+SELECT=(${TV_PYTEST_ARGS:--k hopper})
+"$PYTHON" -m pytest -m gpu tests/test_kernels_gpu.py -q --collect-only -p no:cacheprovider "${SELECT[@]}" \
+    2>/dev/null | grep '::' > "$OUT/pytest-ids.txt"
+rm -f "$OUT"/pytest-shard-*.txt "$OUT"/pytest-gluon-*.log
+if [ -s "$OUT/pytest-ids.txt" ]; then
+    awk -v n="$PARALLEL" -v out="$OUT" '{ print > (out "/pytest-shard-" ((NR - 1) % n) ".txt") }' "$OUT/pytest-ids.txt"
+    pids=()
+    for shard in "$OUT"/pytest-shard-*.txt; do
+        i=$(basename "$shard" .txt); i=${i#pytest-shard-}
+        # shellcheck disable=SC2046  # one test id per line, none with spaces
+        timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest -m gpu -v -p no:cacheprovider -rs $(cat "$shard") \
+            > "$OUT/pytest-gluon-$i.log" 2>&1 &
+        pids+=($!)
+    done
+else  # nothing collected (an interpreter stand-in): one process with the selection itself
+    timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest -m gpu tests/test_kernels_gpu.py -v -p no:cacheprovider -rs \
+        "${SELECT[@]}" > "$OUT/pytest-gluon-0.log" 2>&1 &
+    pids=($!)
+fi
+pytest_rc=0
+for pid in "${pids[@]}"; do
+    wait "$pid"
+    rc=$?
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; then  # a failure outranks a time limit
+        pytest_rc=$rc
+    elif [ "$rc" -eq 124 ] && [ "$pytest_rc" -eq 0 ]; then
+        pytest_rc=124
+    fi
+done
 case $pytest_rc in
     0) pytest_status="passed" ;;
     124) pytest_status="TIMED OUT after ${PYTEST_TIMEOUT} s" ;;
     *) pytest_status="FAILED (rc=$pytest_rc)" ;;
 esac
-echo "== pytest -m gpu tests/test_kernels_gpu.py: $pytest_status ($(( $(date +%s) - started )) s) =="
-grep -E "^(ERRS|GLUON vs|DKDV PIPE)|passed|failed|SKIPPED|Error" "$OUT/pytest-gluon.log" | tail -n 40
+echo "== pytest -m gpu tests/test_kernels_gpu.py: $pytest_status (${#pids[@]} processes, $(( $(date +%s) - started )) s) =="
+cat "$OUT"/pytest-gluon-*.log | grep -E "^(ERRS|GLUON vs|DKDV PIPE)| (PASSED|FAILED|ERROR|SKIPPED)|passed|failed" \
+    | tail -n 60
 
 # 3. The benchmark on the shapes the Gluon kernels serve, in what is left of the budget.
 BENCH_TIMEOUT=$(( TOTAL - ($(date +%s) - started) ))

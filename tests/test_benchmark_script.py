@@ -241,6 +241,33 @@ def test_triton_versions_script_control_flow(tmp_path):
     assert proc.returncode == 2 and "usage:" in proc.stderr
 
 
+def test_triton_versions_script_deals_the_tests_to_parallel_processes(tmp_path):
+    """The GPU tests run as TV_PARALLEL processes, the collected ids dealt round-robin, each verbose: a stand-in
+    interpreter lists 7 ids when asked to collect and records each run's arguments; one run exiting 1 makes the
+    status FAILED (a failure outranks another process's time limit, 124)."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'case " $* " in\n'
+        '  *" --collect-only "*) for i in 0 1 2 3 4 5 6; do echo "tests/test_kernels_gpu.py::test_$i"; done ;;\n'
+        '  *"::test_1 "*) echo "$*" >> "$RUNS"; exit 1 ;;\n'
+        '  *"::test_2 "*) echo "$*" >> "$RUNS"; exit 124 ;;\n'
+        '  *" -m pytest "*) echo "$*" >> "$RUNS" ;;\n'
+        "esac\n")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": str(fake), "TV_TOTAL": "60", "TV_PARALLEL": "3", "RUNS": str(tmp_path / "runs")}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "triton_versions.sh"), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "tests/test_kernels_gpu.py: FAILED (rc=1) (3 processes" in proc.stdout
+    runs = sorted((tmp_path / "runs").read_text().splitlines())
+    assert len(runs) == 3 and all(" -v " in r for r in runs)
+    dealt = sorted(sorted(int(t.rsplit("_", 1)[1]) for t in r.split() if "::" in t) for r in runs)
+    assert dealt == [[0, 3, 6], [1, 4], [2, 5]]
+    assert sorted(p.name for p in out.glob("pytest-gluon-*.log")) == [f"pytest-gluon-{i}.log" for i in range(3)]
+
+
 def test_window_presets_and_dry_run(bench, tmp_path):
     """The sliding-window presets (issue #32: W 4096 and 128 at 8K): FLOPs counted over the pairs the window shows
     (W = N: the causal count plus the diagonal's N/2 pairs), `W<n>` in custom shapes, and a dry run whose errors are
