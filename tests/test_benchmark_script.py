@@ -297,3 +297,19 @@ def test_window_presets_and_dry_run(bench, tmp_path):
     assert 0.005 < max(shape["ops"]["dm-fp8-matching"]["err"].values()) < 0.11
     # SDPA math in bf16 with the same mask as the float64 reference: bf16 rounding only
     assert max(shape["ops"]["sdpa-math"]["err"].values()) < 5e-3
+
+
+def test_dq_one_pass_study_separates_the_variants(tmp_path):
+    """benchmarks/dq_one_pass.py on a small causal draw (N=256, D=32, peaked logits): Delta-Matching's two-pass dS
+    has the smallest row-sum residual; the one-pass split (P∘dP and P quantized apart) is worse than matching at
+    logit std 6, where it cancels; the report and JSON are written."""
+    with script_module(ROOT / "benchmarks" / "dq_one_pass.py", "dq_one_pass") as mod:
+        runs = [mod.study(256, 32, 2, seed, 6.0) for seed in range(2)]
+        assert mod.main(["--n", "256", "--d", "32", "--heads", "2", "--seeds", "1", "--out", str(tmp_path)]) == 0
+    for r in runs:
+        assert r["matching"]["row_sum_abs"] < r["stale"]["row_sum_abs"]
+        assert r["matching"]["row_sum_abs"] * 3 < r["one-pass"]["row_sum_abs"]
+        assert all(0 < r[v]["dq_rel_err"] < 0.5 for v in mod.VARIANTS)
+    report = json.loads((tmp_path / "dq-one-pass.json").read_text())
+    assert report["meta"]["n"] == 256 and len(report["runs"]) == 1
+    assert "| one-pass |" in (tmp_path / "dq-one-pass.md").read_text()
