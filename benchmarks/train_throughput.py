@@ -265,6 +265,67 @@ def profile_step(step, sync, device, top: int = 15) -> dict:
     }
 
 
+def _annotated_modules(lm):
+    """The modules whose forward calls are annotated for attribute_step: each decoder layer (its residual adds) and
+    its direct children (attention or Gated DeltaNet, MLP, norms), and the rest of the model's top level."""
+    inner = getattr(lm, "model", lm)
+    layers = list(getattr(inner, "layers", []))
+    tops = [m for name, m in inner.named_children() if name != "layers"] + \
+        [m for name, m in lm.named_children() if name != "model"]
+    return layers + [child for layer in layers for child in layer.children()] + tops
+
+
+def attribute_step(step, sync, device, lm, top: int = 20) -> list[dict]:
+    """One more step under torch.profiler with CPU ops recorded and the model's layer parts annotated: each ATen op's
+    own GPU kernel time (on a CPU: its self CPU time) goes to the innermost annotated module around it (a forward,
+    or its recomputation under checkpointing) or else to the autograd node that ran it (the backward), and to the
+    op's category. Returns the `top` (owner, category) pairs by time: where the copies and elementwise work sit."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = device.type == "cuda"
+    open_ranges, hooks = [], []
+
+    def enter(mod, args):
+        ctx = record_function(f"module::{type(mod).__name__}")
+        ctx.__enter__()
+        open_ranges.append(ctx)
+
+    def leave(mod, args, out):
+        open_ranges.pop().__exit__(None, None, None)
+
+    for mod in _annotated_modules(lm):
+        hooks += [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        sync()
+        with profile(activities=activities) as prof:
+            step()
+            sync()
+    finally:
+        for h in hooks:
+            h.remove()
+    owned = {}
+    for event in prof.events():
+        if not event.name.startswith("aten::"):
+            continue
+        us = getattr(event, "self_device_time_total", 0.0) if cuda else event.self_cpu_time_total
+        if us <= 0:
+            continue
+        owner, parent = "outside the layers", event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("module::"):
+                owner = parent.name[len("module::"):]
+                break
+            if parent.name.startswith("autograd::engine::evaluate_function: "):
+                owner = "backward: " + parent.name.split(": ", 1)[1]
+                break
+            parent = parent.cpu_parent
+        key = (owner, categorize(event.name))
+        owned[key] = owned.get(key, 0.0) + us / 1e3
+    return [{"owner": o, "category": c, "ms": ms}
+            for (o, c), ms in sorted(owned.items(), key=lambda kv: -kv[1])[:top]]
+
+
 # ----------------------------------------------------------------------------------------------------
 # One configuration (runs in its own process)
 # ----------------------------------------------------------------------------------------------------
@@ -386,6 +447,8 @@ def run_one(spec: dict) -> dict:
         if timer is not None:
             timer.enabled = False
     profile = profile_step(step, sync, device) if spec.get("profile") else None
+    if profile is not None:
+        profile["by_owner"] = attribute_step(step, sync, device, lm)
     undo()
     total_ms = sum(step_ms)
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
@@ -506,6 +569,12 @@ def report_md(report) -> str:
             lines += ["", f"Top kernels, {r['setting']} {r['attn']} {r['linears']}:", "",
                       "| kernel | category | ms |", "|---|---|---|"]
             lines += [f"| `{k['name'][:100]}` | {k['category']} | {_fmt(k['ms'], '.1f')} |" for k in r["profile"]["top"]]
+            if r["profile"].get("by_owner"):
+                lines += ["", f"By owner, {r['setting']} {r['attn']} {r['linears']} (another profiled step, CPU ops "
+                          "recorded: each ATen op's own kernels, to the innermost layer part around it, or to "
+                          "the autograd node that ran it):", "", "| owner | category | ms |", "|---|---|---|"]
+                lines += [f"| {k['owner']} | {k['category']} | {_fmt(k['ms'], '.1f')} |"
+                          for k in r["profile"]["by_owner"]]
     return "\n".join(lines) + "\n"
 
 
@@ -533,7 +602,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, one step under torch.profiler: kernel time by category and the top "
-                        "kernels (where the step time goes)")
+                        "kernels (where the step time goes); then one more with CPU ops recorded: that time by the "
+                        "layer part or backward node that ran it")
     p.add_argument("--single", help=argparse.SUPPRESS)  # internal: run one JSON spec, write the result there
     args = p.parse_args(argv)
     args.extra = extra

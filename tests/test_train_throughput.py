@@ -153,8 +153,11 @@ def test_cpu_run_two_steps(tp, tmp_path):
     prof = ok["profile"]  # --profile: one more step, its ATen ops' self CPU time by category
     assert prof["categories"]["matmul"] > 0 and prof["wall_ms"] > 0 and len(prof["top"]) <= 15
     assert abs(sum(prof["categories"].values()) - prof["busy_ms"]) < 1e-6 * prof["busy_ms"] + 1e-9
+    owners = {k["owner"] for k in prof["by_owner"]}  # the layer parts and backward nodes that ran the ops
+    assert any(o.startswith("Qwen3_5") for o in owners) and any(o.startswith("backward: ") for o in owners)
+    assert all(k["ms"] > 0 for k in prof["by_owner"]) and len(prof["by_owner"]) <= 20
     md = js.with_suffix(".md").read_text()
-    assert "deltamatch_fp8" in md and "Where the step time goes" in md and "Top kernels" in md
+    assert "deltamatch_fp8" in md and "Where the step time goes" in md and "Top kernels" in md and "By owner" in md
 
 
 def test_profile_categories_of_gpu_kernel_names(tp):
