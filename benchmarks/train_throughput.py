@@ -568,7 +568,8 @@ def report_md(report) -> str:
         for r in profiled:
             lines += ["", f"Top kernels, {r['setting']} {r['attn']} {r['linears']}:", "",
                       "| kernel | category | ms |", "|---|---|---|"]
-            lines += [f"| `{k['name'][:100]}` | {k['category']} | {_fmt(k['ms'], '.1f')} |" for k in r["profile"]["top"]]
+            lines += [f"| `{k['name'][:100]}` | {k['category']} | {_fmt(k['ms'], '.1f')} |"
+                      for k in r["profile"]["top"]]
             if r["profile"].get("by_owner"):
                 lines += ["", f"By owner, {r['setting']} {r['attn']} {r['linears']} (another profiled step, CPU ops "
                           "recorded: each ATen op's own kernels, to the innermost layer part around it, or to "
