@@ -44,7 +44,18 @@ SHAPES = {
     "packed-d128": (1, 16, 16, 32768, 128, True),
     "packed-gqa": (1, 16, 4, 32768, 128, True),
     "packed-d64": (1, 32, 32, 32768, 64, True),
+    # causal sliding windows (a 7th field, the window): variant shapes only (no SDPA baseline has a window; the
+    # window presets of attention.py time Flex), e.g. --variant-shapes window128-d128 --variants
+    # "{};{'hopper_window': True}": which kernel the small window's time goes to
+    "window128-d128": (2, 16, 16, 8192, 128, True, 128),
+    "window4096-d128": (2, 16, 16, 8192, 128, True, 4096),
 }
+
+
+def shape_of(name):
+    """(B, Hq, Hkv, N, D, causal, window) of SHAPES[name], window None for the unwindowed shapes."""
+    B, Hq, Hkv, N, D, causal, *window = SHAPES[name]
+    return B, Hq, Hkv, N, D, causal, (window[0] if window else None)
 
 
 def packed_cu(total, seed=0):
@@ -64,10 +75,14 @@ def _cu(name, N):
     return packed_cu(N).cuda() if name.startswith("packed") else None
 
 
-def flops(B, H, N, D, causal, cu=None):
-    """Attention FLOPs of the forward; a packed batch's are its documents' sum."""
+def flops(B, H, N, D, causal, cu=None, window=None):
+    """Attention FLOPs of the forward; a packed batch's are its documents' sum; a causal window of W keys shows
+    W*N - W*(W-1)/2 query-key pairs (benchmarks/attention.py's count)."""
     if cu is not None:
         return sum(flops(B, H, int(n), D, causal) for n in (cu[1:] - cu[:-1]).tolist())
+    if window is not None:
+        w = min(window, N)
+        return 4 * B * H * D * (w * N - w * (w - 1) / 2)
     f = 4 * B * H * N * N * D
     return f / 2 if causal else f
 
@@ -96,11 +111,11 @@ def kernel_times(fn, iters=5):
 def profile_once(name):
     """One warm fwd+bwd of SHAPES[name] (fp8, matching) between cudaProfilerStart and Stop, for
     `ncu --profile-from-start off` (benchmarks/ncu_profile.sh)."""
-    B, Hq, Hkv, N, D, causal = SHAPES[name]
+    B, Hq, Hkv, N, D, causal, window = shape_of(name)
     q, do = (torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cu = _cu(name, N)
-    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu, cu_seqlens_k=cu,
+    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu,
               config=DeltaMatchConfig())
 
     def step():
@@ -115,20 +130,20 @@ def profile_once(name):
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def run_shape(name, B, Hq, Hkv, N, D, causal, precision="fp8", delta="matching", fwd_only=False):
+def run_shape(name, B, Hq, Hkv, N, D, causal, window=None, precision="fp8", delta="matching", fwd_only=False):
     cfg = DeltaMatchConfig(precision=precision, delta=delta)
     q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
     do = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
     cu = _cu(name, N)
-    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu, cu_seqlens_k=cu, config=cfg)
+    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu, config=cfg)
     f = K.forward(q, k, v, **kw)
     fwd = lambda: K.forward(q, k, v, **kw)  # noqa: E731
     bwd = lambda: K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)  # noqa: E731
     t_fwd, t_bwd = bench(fwd), (float("nan") if fwd_only else bench(bwd))
     kf, kb = kernel_times(fwd), ({} if fwd_only else kernel_times(bwd))
-    F = flops(B, Hq, N, D, causal, cu)
+    F = flops(B, Hq, N, D, causal, cu, window)
     return dict(name=name, precision=precision, delta=delta, fwd_ms=t_fwd, bwd_ms=t_bwd, total_ms=t_fwd + t_bwd,
                 fwd_tflops=F / t_fwd / 1e9, total_tflops=3.5 * F / (t_fwd + t_bwd) / 1e9,
                 fwd_kernels=kf, bwd_kernels=kb)
@@ -190,7 +205,10 @@ def main():
         return profile_once(args.profile_once)
     rows, lines = [], _Lines()
     for name in filter(None, args.shapes.split(",")):  # --shapes "": the variants only
-        B, Hq, Hkv, N, D, causal = SHAPES[name]
+        B, Hq, Hkv, N, D, causal, window = shape_of(name)
+        if window is not None:
+            raise SystemExit(f"{name}: a window shape runs as --variant-shapes only (no SDPA baseline has a window; "
+                             "benchmarks/attention.py's window presets time Flex)")
         base_name = "sdpa-cudnn"
         cu = _cu(name, N)
         try:
@@ -212,7 +230,7 @@ def main():
         modes = [("fp8", "matching"), ("fp8", "stale"), ("bf16", "matching")] if name == "d128-causal" else \
             [("fp8", "matching")]
         for prec, delta in modes:
-            r = run_shape(name, B, Hq, Hkv, N, D, causal, prec, delta)
+            r = run_shape(name, B, Hq, Hkv, N, D, causal, precision=prec, delta=delta)
             r["op"] = f"dm-{prec}-{delta}"
             rows.append(r)
             lines.append(f"{name:12s} {r['op']:18s}  fwd {r['fwd_ms']:7.3f} ({r['fwd_tflops']:4.0f})  fwd+bwd "
@@ -229,7 +247,7 @@ def main():
         K.TUNE.clear()
         K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         try:
-            r = run_shape(vshape, *SHAPES[vshape], fwd_only=args.variants_fwd_only)
+            r = run_shape(vshape, *shape_of(vshape), fwd_only=args.variants_fwd_only)
             r["op"], r["tune"] = "dm-fp8-matching", var
             rows.append(r)
             kb = {k_[:14]: round(v_, 3) for k_, v_ in r["bwd_kernels"].items() if "_bwd" in k_}

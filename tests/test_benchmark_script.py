@@ -313,3 +313,18 @@ def test_dq_one_pass_study_separates_the_variants(tmp_path):
     report = json.loads((tmp_path / "dq-one-pass.json").read_text())
     assert report["meta"]["n"] == 256 and len(report["runs"]) == 1
     assert "| one-pass |" in (tmp_path / "dq-one-pass.md").read_text()
+
+
+def test_kernel_breakdown_window_shapes():
+    """kernel_breakdown.py's window shapes (variant shapes only): the 7th field is the window, the others' is None,
+    and a window's FLOPs count the pairs it shows, as attention.py's presets do."""
+    with script_module(ROOT / "benchmarks" / "kernel_breakdown.py", "kernel_breakdown") as kb, \
+            script_module(SCRIPT, "bench_attention_kb") as bench:
+        assert kb.shape_of("d128-causal") == (2, 16, 16, 8192, 128, True, None)
+        for name, preset in (("window128-d128", "window128"), ("window4096-d128", "window4096")):
+            B, Hq, Hkv, N, D, causal, window = kb.shape_of(name)
+            s = bench.PRESETS[preset]
+            assert (B, Hq, Hkv, N, D, causal, window) == (s.B, s.Hq, s.Hkv, s.N, s.D, s.causal, s.window)
+            assert kb.flops(B, Hq, N, D, causal, window=window) == bench.attention_flops(s)["fwd"]
+        whole = kb.flops(2, 16, 8192, 128, True, window=8192)  # W = N: causal plus the diagonal's N/2 pairs
+        assert whole == kb.flops(2, 16, 8192, 128, True) + 4 * 2 * 16 * 128 * 8192 / 2
