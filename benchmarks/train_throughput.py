@@ -180,7 +180,8 @@ def instrument(model, device):
     had_local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
     original = ALL_ATTENTION_FUNCTIONS[name]
     ALL_ATTENTION_FUNCTIONS[name] = attn.wrap(original, query_index=1)  # (module, query, key, value, mask, ...)
-    undo = [lambda: ALL_ATTENTION_FUNCTIONS.__setitem__(name, original) if had_local
+    # name and original bound now: the loop below rebinds `name`
+    undo = [lambda name=name, original=original: ALL_ATTENTION_FUNCTIONS.__setitem__(name, original) if had_local
             else ALL_ATTENTION_FUNCTIONS._local_mapping.pop(name, None)]
     timers = {}
     layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]

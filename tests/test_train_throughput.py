@@ -114,6 +114,24 @@ def test_span_timer_forward_recompute_backward(tp):
     assert len(timer.spans) == 1  # no backward span without autograd
 
 
+def test_instrument_undo_restores_what_it_wrapped(tp):
+    """instrument() wraps the model's attention function (transformers' interface) and its Gated DeltaNet functions;
+    undo() puts every one back (the attention one was left wrapped when a later loop variable shadowed its name)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_deltamatch.training.modeling import build_model, causal_lm
+
+    cfg = tp.recipe_config(TINY, "deltamatch_fp8", "bf16", [])
+    lm = causal_lm(build_model(cfg, tp.random_token_tokenizer(cfg.vocab_size)))
+    name = lm.config._attn_implementation
+    module = sys.modules[type(next(m for m in lm.modules() if type(m).__name__.endswith("GatedDeltaNet"))).__module__]
+    before = (ALL_ATTENTION_FUNCTIONS[name], module.torch_chunk_gated_delta_rule, module.causal_conv1d_fn)
+    *_, undo = tp.instrument(lm, torch.device("cpu"))
+    assert ALL_ATTENTION_FUNCTIONS[name] is not before[0] and module.causal_conv1d_fn is not before[2]
+    undo()
+    assert (ALL_ATTENTION_FUNCTIONS[name], module.torch_chunk_gated_delta_rule, module.causal_conv1d_fn) == before
+
+
 def test_recipe_config_64k_settings(tp):
     cfg = tp.recipe_config("64k", "sdpa", "bf16", [])
     assert (cfg.seq_len, cfg.batch_size, cfg.gradient_checkpointing, cfg.loss_chunk) == (65536, 1, True, 8192)
