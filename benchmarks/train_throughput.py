@@ -41,6 +41,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -223,8 +224,6 @@ PROFILE_CATEGORIES = [
 
 
 def categorize(name: str) -> str:
-    import re
-
     for category, pattern in PROFILE_CATEGORIES:
         if re.search(pattern, name, flags=re.IGNORECASE):
             return category

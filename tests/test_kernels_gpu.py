@@ -491,6 +491,17 @@ def test_hopper_packed(cu, D, tune):
         K.TUNE.clear()
 
 
+def _fwd_bwd_under(tune, q, k, v, do, kw, **bwd_kw):
+    """K.forward then K.backward on the same inputs with kernels.TUNE set to `tune` for the call only: (forward
+    results, backward results)."""
+    K.TUNE.update(tune)
+    try:
+        f = K.forward(q, k, v, **kw)
+        return f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, **bwd_kw)
+    finally:
+        K.TUNE.clear()
+
+
 def _gluon_launches(monkeypatch, windows=None):
     """The Gluon kernels' launches from here on, as [(launcher, its segments argument)]: their host launchers are
     wrapped and called through (ops.py imports them at each call), so a test sees which kernels really ran. windows:
@@ -575,13 +586,8 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
                   config=DeltaMatchConfig())
         runs = {}
         for name, opts in (("gluon", dict(hopper_ragged=True)), ("triton", dict(hopper_ragged=False))):
-            K.TUNE.update(opts)
             calls.clear()
-            try:
-                f = K.forward(q, k, v, **kw)
-                runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, return_delta=True))
-            finally:
-                K.TUNE.clear()
+            runs[name] = _fwd_bwd_under(opts, q, k, v, do, kw, return_delta=True)
             if name == "gluon":  # the comparison proves nothing unless the Gluon kernels ran
                 assert [c for c, _ in calls] == ["fwd_hopper", "dq_hopper", "dkdv_hopper"], calls
                 for _, seg in calls:
@@ -686,13 +692,8 @@ def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
                   config=DeltaMatchConfig())
         runs = {}
         for name, on in (("gluon", True), ("triton", False)):
-            K.TUNE.update(hopper_fwd_wide=on)
             calls.clear()
-            try:
-                f = K.forward(q, k, v, **kw)
-                runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
-            finally:
-                K.TUNE.clear()
+            runs[name] = _fwd_bwd_under(dict(hopper_fwd_wide=on), q, k, v, do, kw)
             # the comparison proves nothing unless the Gluon forward ran (dense: no segments), and only it
             assert calls == ([("fwd_hopper", None)] if on else []), calls
         _check_gluon_vs_triton(runs, "WIDE FWD", f"N{N} D{Dqk}/{Dv} H{Hq}/{Hkv} {'causal' if causal else 'full'}",
@@ -822,14 +823,9 @@ def _gluon_vs_triton_window(q, k, v, do, kw, window, calls, windows):
     must launch the three Gluon kernels, each given the window; the Triton run none."""
     runs, launched = {}, []
     for name, on in (("gluon", True), ("triton", False)):
-        K.TUNE.update(hopper_window=on)
         calls.clear()
         windows.clear()
-        try:
-            f = K.forward(q, k, v, **kw)
-            runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, return_delta=True))
-        finally:
-            K.TUNE.clear()
+        runs[name] = _fwd_bwd_under(dict(hopper_window=on), q, k, v, do, kw, return_delta=True)
         if on:  # the comparison proves nothing unless the Gluon kernels ran, windowed
             assert [c for c, _ in calls] == ["fwd_hopper", "dq_hopper", "dkdv_hopper"], calls
             assert windows == [window] * 3, windows

@@ -45,6 +45,17 @@ def _env():
     return env
 
 
+def _compile(*args, timeout=600) -> str:
+    """stdout of sm90_registers.py with `args` (real compiles for sm_90); skips where this Triton install lacks the
+    CUDA tools."""
+    res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=_env(), cwd=ROOT,
+                         timeout=timeout)
+    if res.returncode and "Cannot find" in res.stderr:
+        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
 def _record(loop: str) -> str:
     """stdout of `loop` run in a subprocess after `import sm90_registers as S`, `launch` and `cases =
     S.default_cases()` (record_launches fakes the H200's sm_90 and Triton 3.6 there)."""
@@ -67,12 +78,8 @@ def test_loops_counts_innermost_bodies():
 def test_forward_compiles_for_sm90_on_the_cpu():
     """The report on a real kernel: Triton compiles the forward for sm_90 without a GPU (its bundled ptxas and
     cuobjdump), outside the interpreter that the rest of the suite runs in."""
-    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "64", "--kernels", "fwd", "--loops"],
-                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
-    if res.returncode and "Cannot find" in res.stderr:
-        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    stdout = _compile("--d", "64", "--kernels", "fwd", "--loops")
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
     head = next(ln for ln in lines if " fwd " in ln)
     assert "regs=" in head and "spill=" in head and "QGMMA.64x" in head and "wgmma serialized:" in head
     body = [ln for ln in lines if "loop @" in ln]
@@ -91,15 +98,10 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
     only; the bounds keep the 3.9 spills from growing unseen. The dK/dV kernel's MMA operands are checked tile by
     tile (sm90_registers.check_dkdv_operands) with the options launch.py picks for this Triton's ptxas."""
     import triton
-    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd",
-                          "--operands", *variant],
-                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
-    if res.returncode and "Cannot find" in res.stderr:
-        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 3, res.stdout
-    assert "operands: ok" in res.stdout, res.stdout  # dK/dV's MMAs multiply the values they should
+    stdout = _compile("--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd", "--operands", *variant)
+    rows = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 3, stdout
+    assert "operands: ok" in stdout, stdout  # dK/dV's MMAs multiply the values they should
     for ln in rows:
         assert "QGMMA.64x128x32.F32.E4M3.E4M3" in ln and "wgmma serialized: no" in ln, ln
         spill = int(re.search(r"spill=(\d+)B", ln).group(1))
@@ -161,15 +163,11 @@ def test_pipelined_dkdv_operands_by_ptxas(form):
     fresh dP^T accumulator), which checks out with both, and no serialized wgmma. Should a later ptxas compile the
     first form right, this fails and launch.DKDV_HOPPER_PIPE_PTXAS_BELOW can go."""
     from hf_deltamatch.kernels import launch
-    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--full", "--kernels", "hopper", "--operands",
-                          "--dkdv-pipe", form], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
-    if res.returncode and "Cannot find" in res.stderr:
-        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
-    assert res.returncode == 0, res.stderr[-2000:]
+    stdout = _compile("--d", "128", "--full", "--kernels", "hopper", "--operands", "--dkdv-pipe", form)
     broken = form == "on" and launch._sm90_ptxas_major() >= launch.DKDV_HOPPER_PIPE_PTXAS_BELOW
-    assert ("operands: WRONG" if broken else "operands: ok") in res.stdout, res.stdout
+    assert ("operands: WRONG" if broken else "operands: ok") in stdout, stdout
     if form == "fresh":
-        assert "wgmma serialized: no" in res.stdout, res.stdout
+        assert "wgmma serialized: no" in stdout, stdout
 
 
 def test_quantization_pass_with_the_outlier_transforms_compiles_for_sm90():
@@ -177,13 +175,9 @@ def test_quantization_pass_with_the_outlier_transforms_compiles_for_sm90():
     D=128: the rotation on the tensor cores (a bf16 wgmma), no spills, and each variant's instruction count
     printed for docs/numerics.md's cost account."""
     kinds = ["quantize", "quantize_rotate", "quantize_center", "quantize_both", "center_rotate"]
-    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", ",".join(kinds)],
-                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
-    if res.returncode and "Cannot find" in res.stderr:
-        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    rows = {ln.split()[1]: ln for ln in res.stdout.splitlines() if ln.startswith("{")}
-    assert sorted(rows) == sorted(kinds), res.stdout
+    stdout = _compile("--d", "128", "--kernels", ",".join(kinds))
+    rows = {ln.split()[1]: ln for ln in stdout.splitlines() if ln.startswith("{")}
+    assert sorted(rows) == sorted(kinds), stdout
     for name, ln in rows.items():
         assert "spill=0B" in ln and "instructions=" in ln, ln
         rotates = name in ("quantize_rotate", "quantize_both", "center_rotate")
@@ -238,13 +232,9 @@ def test_gluon_forward_wide_compiles_for_sm90(dims):
     version the Gluon kernels run with: launch.GLUON_TRITON_VERSIONS); with 3.9 MLA spills 16-32 bytes, as the
     three-warpgroup forward does at D=128 there."""
     import triton
-    res = subprocess.run([sys.executable, str(SCRIPT), "--kernels", "hopper_fwd", *dims],
-                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=600)
-    if res.returncode and "Cannot find" in res.stderr:
-        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 1, res.stdout
+    stdout = _compile("--kernels", "hopper_fwd", *dims)
+    rows = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 1, stdout
     ln = rows[0]
     assert "wgmma serialized: no" in ln and "QGMMA.64x128x32.F32.E4M3.E4M3" in ln, ln
     assert ("QGMMA.64x256x32.F32.E4M3.E4M3" in ln) == ("256" in dims[1]), ln
@@ -315,15 +305,11 @@ def test_gluon_window_kernels_compile_for_sm90_on_the_cpu(variant):
     masked edge loop of each pass adds live values), none in the forward or dK/dV. With 3.9 (not run by default:
     launch.GLUON_TRITON_VERSIONS) the forward 72, the dQ kernel 208 dense and 88 packed, dK/dV none."""
     import triton
-    res = subprocess.run([sys.executable, str(SCRIPT), "--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd",
-                          "--operands", "--window", *variant],
-                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=900)
-    if res.returncode and "Cannot find" in res.stderr:
-        pytest.skip(f"this Triton install lacks the CUDA tools: {res.stderr.strip().splitlines()[-1]}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-    assert len(rows) == 3, res.stdout
-    assert "operands: ok" in res.stdout, res.stdout
+    stdout = _compile("--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd", "--operands", "--window", *variant,
+                      timeout=900)
+    rows = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 3, stdout
+    assert "operands: ok" in stdout, stdout
     packed = bool(variant)
     if triton.__version__.startswith("3.6"):
         allowed = {"hopper_fwd": 0, "hopper_dq": 16 if packed else 8, "hopper": 0}

@@ -46,9 +46,7 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     the conv's own operand dtype with an fp32 (fp64 for fp64) sum, and written back out of place.
     """
     channels, seq_len, width = x.shape[1], x.shape[-1], weight.shape[-1]
-    if cu_seqlens.ndim != 1 or cu_seqlens[[0, -1]].tolist() != [0, seq_len]:
-        raise ValueError(f"cu_seqlens must run from 0 to the row length {seq_len}; got {cu_seqlens.tolist()} "
-                         "(packed rows come as batch 1 from a flattening collator, with boundaries that cover them).")
+    _check_boundaries(cu_seqlens, seq_len)
     xw = x.to(weight.dtype)
     out = F.conv1d(xw, weight.unsqueeze(1), bias, padding=width - 1, groups=channels)[:, :, :seq_len]
     pos, start = _positions_after_starts(cu_seqlens.to(device=x.device, dtype=torch.long), width)
@@ -68,6 +66,12 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
         out = ACT2FN[activation](out)
     return out.to(x.dtype)
+
+
+def _check_boundaries(cu_seqlens: torch.Tensor, seq_len: int) -> None:
+    if cu_seqlens.ndim != 1 or cu_seqlens[[0, -1]].tolist() != [0, seq_len]:
+        raise ValueError(f"cu_seqlens must run from 0 to the row length {seq_len}; got {cu_seqlens.tolist()} "
+                         "(packed rows come as batch 1 from a flattening collator, with boundaries that cover them).")
 
 
 def _positions_after_starts(cu: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,9 +139,7 @@ def fla_packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         raise ValueError(f"FLA's causal conv applies silu or no activation, not {activation!r}: set "
                          "hf_deltamatch.training.short_conv.USE_FLA_CONV = False for the torch conv.")
     seq_len = x.shape[-1]
-    if cu_seqlens.ndim != 1 or cu_seqlens[[0, -1]].tolist() != [0, seq_len]:
-        raise ValueError(f"cu_seqlens must run from 0 to the row length {seq_len}; got {cu_seqlens.tolist()} "
-                         "(packed rows come as batch 1 from a flattening collator, with boundaries that cover them).")
+    _check_boundaries(cu_seqlens, seq_len)
     out, _ = fla_causal_conv1d()(x.transpose(1, 2), weight, bias, activation=activation,
                                  cu_seqlens=cu_seqlens.to(device=x.device, dtype=torch.int32))
     return out.to(x.dtype).transpose(1, 2)
