@@ -20,7 +20,8 @@
 # TV_PYTEST_TIMEOUT (default 330) for the tests (each process); TV_PYTEST_ARGS replaces the -k selection (e.g.
 # "-k dkdv_hopper"); TV_PARALLEL (default 4) the test processes;
 # TV_SHAPES (default n8192c,n8192f,d64,B2-H32-KV32-N8192-D64-full) and TV_OPS (default dm-fp8-matching,sdpa-cudnn)
-# for the benchmark; PYTHON (default python3).
+# for the benchmark, TV_BENCH=0 to leave it out (two versions' tests at once in one call, their timings apart after);
+# PYTHON (default python3).
 # Exit status: the benchmark's if it failed, else pytest's.
 set -u
 
@@ -110,6 +111,10 @@ cat "$OUT"/pytest-gluon-*.log | grep -E "^(ERRS|GLUON vs|DKDV PIPE)| (PASSED|FAI
 
 # 3. The benchmark on the shapes the Gluon kernels serve, in what is left of the budget.
 BENCH_TIMEOUT=$(( TOTAL - ($(date +%s) - started) ))
+if [ "${TV_BENCH:-1}" = 0 ]; then
+    echo "== benchmark left out (TV_BENCH=0): benchmarks/attention.py --shapes $SHAPES --ops $OPS =="
+    exit "$pytest_rc"
+fi
 if [ "$BENCH_TIMEOUT" -lt 90 ]; then
     echo "== benchmark skipped: ${BENCH_TIMEOUT} s left; run benchmarks/attention.py --shapes $SHAPES in a call of its own =="
     exit "$pytest_rc"

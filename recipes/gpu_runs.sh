@@ -15,8 +15,12 @@
 #    OUT_DIR/runs/ (metrics.jsonl, TensorBoard, summary.json, final model), and OUT_DIR/gpu_runs.log.
 #
 # Environment knobs: MODEL=dense (dense GQA model instead of the hybrid, e.g. if the Gated DeltaNet torch
-# fallback is too slow without flash-linear-attention), MINUTES=1.4, PYTHON=python, WHEELS=dir with wheels
-# for missing packages (datasets), SMOKE=1 (tiny CPU rehearsal of this script, for CI machines),
+# fallback is too slow without flash-linear-attention) or MODEL=hybrid-1p7b (the paper-shaped hybrid,
+# recipes/configs/hybrid-1p7b.yaml: 18 Gated DeltaNet + 6 GQA layers, ~1.7B params), MODES="bf16 fp8-matching
+# fp8-stale" (the 8K runs, in order, any subset: the first trains the tokenizer; the 64K step starts from
+# fp8-matching, or from the last run without it), EXT_STEPS=4 (optimizer steps of the 64K stage; 2 with SMOKE=1), MINUTES=1.4,
+# PYTHON=python, WHEELS=dir with wheels for missing packages (datasets), SMOKE=1 (tiny CPU rehearsal of this
+# script, for CI machines),
 # DEADLINE_S=0 (off; >0: the whole script should end this many seconds after it starts: each 8K run gets
 # min(MINUTES, its share of the time left after ~25 s start-up per run and ~90 s for the 64K step and the
 # plots), and the 64K step is skipped when under 90 s are left; for a command with a hard limit, where
@@ -53,7 +57,19 @@ stamp() { echo "[gpu_runs $(( $(date +%s) - T0 ))s] $*"; }
 source "$REPO/recipes/_common.sh"
 ensure_datasets
 
-if [ "$MODEL" = dense ]; then CFG=recipes/configs/dense-small.yaml; else CFG=recipes/configs/hybrid-small.yaml; fi
+case $MODEL in
+  dense) CFG=recipes/configs/dense-small.yaml; MODEL_NAME=dense-small ;;
+  hybrid) CFG=recipes/configs/hybrid-small.yaml; MODEL_NAME=hybrid-small ;;
+  hybrid-1p7b) CFG=recipes/configs/hybrid-1p7b.yaml; MODEL_NAME=hybrid-1p7b ;;
+  *) echo "error: MODEL=$MODEL: use hybrid (default), dense or hybrid-1p7b" >&2; exit 2 ;;
+esac
+read -r -a MODES <<< "${MODES:-bf16 fp8-matching fp8-stale}"
+declare -A MODE_ARGS=([bf16]="--precision bf16 --delta matching" [fp8-matching]="--precision fp8 --delta matching"
+                      [fp8-stale]="--precision fp8 --delta stale")
+for m in "${MODES[@]}"; do
+  [ -n "${MODE_ARGS[$m]:-}" ] || { echo "error: MODES: unknown run '$m' (use bf16, fp8-matching, fp8-stale)" >&2; exit 2; }
+done
+[ "${#MODES[@]}" -gt 0 ] || { echo "error: MODES is empty" >&2; exit 2; }
 export GPU_RUNS_CFG=$CFG
 
 # ---- preflight: fail in seconds, not after the first run ------------------------------------------------
@@ -68,7 +84,7 @@ from transformers import AttentionInterface, AutoConfig
 if "deltamatch_fp8" not in AttentionInterface._global_mapping:
     sys.exit("error: hf_deltamatch did not register attn_implementation='deltamatch_fp8'")
 try:
-    AutoConfig.for_model("qwen3_5_text" if model == "hybrid" else "qwen3")
+    AutoConfig.for_model("qwen3_5_text" if model.startswith("hybrid") else "qwen3")
 except Exception as e:
     sys.exit(f"error: this transformers ({transformers.__version__}) lacks the model: {e}; try MODEL=dense")
 # One packed forward/backward of the configured model (tiny vocab), so API drift in this transformers
@@ -154,18 +170,18 @@ PYEOF
 COMMON=(--config "$CFG" --max_steps 300 --warmup_steps 20 --batch_size 2 --grad_accum 1
         --lr 1e-3 --save_every 1000000 --eval_every 25 --eval_batches 4 --log_every 2 --corpus_bytes 20000000
         --seed 0)
-EXT=(--max_steps 4 --max_minutes 1.5 --warmup_steps 2 --eval_every 4 --eval_batches 1 --log_every 1
+EXT=(--max_steps "${EXT_STEPS:-4}" --max_minutes 1.5 --warmup_steps 2 --eval_every 4 --eval_batches 1 --log_every 1
      --corpus_bytes 20000000)
 if [ "$SMOKE" = 1 ]; then
   CFG="tiny-cpu defaults (SMOKE=1 rehearsal)"
   COMMON=(--max_steps 300 --warmup_steps 5 --save_every 1000000 --eval_every 10
           --eval_batches 2 --log_every 2 --corpus_bytes 1500000 --vocab_size 1024 --seed 0)
-  EXT=(--max_steps 2 --max_minutes 0.5 --warmup_steps 1 --eval_every 2 --eval_batches 1 --log_every 1
+  EXT=(--max_steps "${EXT_STEPS:-2}" --max_minutes 0.5 --warmup_steps 1 --eval_every 2 --eval_batches 1 --log_every 1
        --corpus_bytes 1500000 --seq_len 2048 --loss_chunk 512 --max_position_embeddings 2048)
 fi
 RUNS=()
 RUN_MINUTES=()
-N_8K=3            # the 8K runs below
+N_8K=${#MODES[@]}  # the 8K runs below
 RUN_OVERHEAD_S=25 # start-up, data, final eval and saves of one 8K run (~20 s each on the H200)
 TAIL_S=90         # the 64K step and the plots
 left_s() { echo $(( DEADLINE_S - ($(date +%s) - T0) )); }
@@ -184,10 +200,14 @@ run() {
 }
 
 # ---- 8K runs ---------------------------------------------------------------------------------------------
-run bf16 --attn deltamatch_fp8 --precision bf16 --delta matching
-TOK="$OUT/runs/bf16/tokenizer"  # the same tokenizer (and so the same tokenized data cache) for every run
-run fp8-matching --attn deltamatch_fp8 --precision fp8 --delta matching --tokenizer "$TOK"
-run fp8-stale --attn deltamatch_fp8 --precision fp8 --delta stale --tokenizer "$TOK"
+TOK="$OUT/runs/${MODES[0]}/tokenizer"  # trained by the first run; the same one (and tokenized data cache) for all
+for m in "${MODES[@]}"; do
+  # shellcheck disable=SC2086  # MODE_ARGS values are meant to split into arguments
+  if [ "$m" = "${MODES[0]}" ]; then run "$m" --attn deltamatch_fp8 ${MODE_ARGS[$m]}
+  else run "$m" --attn deltamatch_fp8 ${MODE_ARGS[$m]} --tokenizer "$TOK"; fi
+done
+EXT_FROM=fp8-matching
+[[ " ${MODES[*]} " == *" fp8-matching "* ]] || EXT_FROM=${MODES[-1]}
 
 # ---- 64K extension step ----------------------------------------------------------------------------------
 EXT_DONE=1
@@ -195,15 +215,15 @@ if [ "$DEADLINE_S" -gt 0 ] && [ "$(left_s)" -lt "$TAIL_S" ]; then
   EXT_DONE=0
   stamp "64K extension step skipped: $(left_s) s left before DEADLINE_S=$DEADLINE_S"
 else
-  stamp "64K extension step from fp8-matching"
-  "$PY" recipes/context_extension.py --model "$OUT/runs/fp8-matching/final" --output_dir "$OUT/runs/extend-64k" \
+  stamp "64K extension step from $EXT_FROM"
+  "$PY" recipes/context_extension.py --model "$OUT/runs/$EXT_FROM/final" --output_dir "$OUT/runs/extend-64k" \
     --run_name extend-64k --attn deltamatch_fp8 --precision fp8 --delta matching "${EXT[@]}"
 fi
 
 # ---- report ----------------------------------------------------------------------------------------------
 stamp "plots and tables"
 "$PY" -m hf_deltamatch.training.plot "${RUNS[@]}" -o "$OUT/loss_8k.png" --table "$OUT/table_8k.md" \
-  --title "$MODEL-small, 8K packed context: bf16 vs fp8 Delta-Matching vs fp8 stale delta"
+  --title "$MODEL_NAME, 8K packed context: ${MODES[*]}"
 if [ "$EXT_DONE" = 1 ]; then
   "$PY" -m hf_deltamatch.training.plot "$OUT/runs/extend-64k" -o "$OUT/loss_64k.png" --table "$OUT/table_64k.md" \
     --x step --smooth 0

@@ -226,8 +226,8 @@ def test_gpu_check_skips_the_benchmark_when_the_tests_leave_too_little_time(tmp_
 def test_triton_versions_script_control_flow(tmp_path):
     """triton_versions.sh's control flow (its tests, compiles and timing need the H200 and a Triton wheel): with
     `true` as the interpreter every step "passes" at once; a 60 s total leaves too little for the benchmark, which
-    is skipped with a note on what to run, and the script exits with pytest's status; without an output folder it
-    refuses with its usage."""
+    is skipped with a note on what to run, and the script exits with pytest's status; TV_BENCH=0 leaves the benchmark
+    out whatever the time left; without an output folder it refuses with its usage."""
     script = str(ROOT / "benchmarks" / "triton_versions.sh")
     env = {**os.environ, "PYTHON": "true", "TV_TOTAL": "60"}
     proc = subprocess.run(["bash", script, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -235,6 +235,10 @@ def test_triton_versions_script_control_flow(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tests/test_kernels_gpu.py: passed" in proc.stdout and "benchmark skipped" in proc.stdout
     assert (tmp_path / "operands.log").read_text().count("== sm90_registers.py --kernels hopper --operands") == 5
+    assert not list(tmp_path.glob("attention-*"))
+    proc = subprocess.run(["bash", script, str(tmp_path)], cwd=ROOT, env={**env, "TV_TOTAL": "590", "TV_BENCH": "0"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "benchmark left out (TV_BENCH=0)" in proc.stdout, proc.stdout + proc.stderr
     assert not list(tmp_path.glob("attention-*"))
     env.pop("OUT", None)
     proc = subprocess.run(["bash", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
