@@ -18,7 +18,8 @@
 #                      benchmarks/attention.py on 8K causal/full at D=128 and D=64, fp8-matching vs SDPA cuDNN
 # Budget ~10 min on one H200 (env-overridable, seconds): TV_TOTAL (default 590) for the whole script,
 # TV_PYTEST_TIMEOUT (default 330) for the tests (each process); TV_PYTEST_ARGS replaces the -k selection (e.g.
-# "-k dkdv_hopper"); TV_PARALLEL (default 4) the test processes;
+# "-k dkdv_hopper"); TV_PARALLEL (default 4) the test processes, capped at what the free GPU memory holds at
+# TV_GIB_PER_PROCESS (default 20) GiB each;
 # TV_SHAPES (default n8192c,n8192f,d64,B2-H32-KV32-N8192-D64-full) and TV_OPS (default dm-fp8-matching,sdpa-cudnn)
 # for the benchmark, TV_BENCH=0 to leave it out (two versions' tests at once in one call, their timings apart after);
 # PYTHON (default python3).
@@ -70,6 +71,19 @@ grep -E "^== |operands: " "$OUT/operands.log"
 #    selected test ids dealt round-robin, each process verbose, so that a log names every test that passed before a
 #    time limit stopped it.
 PARALLEL="${TV_PARALLEL:-4}"
+# Each test process peaks at ~18 GiB of GPU memory (N = 8192 float64 references): no more processes than the free
+# memory holds at TV_GIB_PER_PROCESS (default 20), or the extra ones fail with out-of-memory errors, not test failures.
+if command -v nvidia-smi > /dev/null 2>&1; then
+    free_mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+    if [ -n "$free_mib" ] && [ "$free_mib" -eq "$free_mib" ] 2>/dev/null; then
+        fit=$(( free_mib / (${TV_GIB_PER_PROCESS:-20} * 1024) ))
+        [ "$fit" -lt 1 ] && fit=1
+        if [ "$PARALLEL" -gt "$fit" ]; then
+            echo "== TV_PARALLEL $PARALLEL -> $fit: $free_mib MiB of GPU memory free, ${TV_GIB_PER_PROCESS:-20} GiB per process =="
+            PARALLEL=$fit
+        fi
+    fi
+fi
 # shellcheck disable=SC2206  # TV_PYTEST_ARGS is meant to split into arguments
 SELECT=(${TV_PYTEST_ARGS:--k hopper})
 "$PYTHON" -m pytest -m gpu tests/test_kernels_gpu.py -q --collect-only -p no:cacheprovider "${SELECT[@]}" \

@@ -170,8 +170,9 @@ PYEOF
 COMMON=(--config "$CFG" --max_steps 300 --warmup_steps 20 --batch_size 2 --grad_accum 1
         --lr 1e-3 --save_every 1000000 --eval_every 25 --eval_batches 4 --log_every 2 --corpus_bytes 20000000
         --seed 0)
+# --val_fraction 0.05: the default 2 % of this corpus holds less than one 64K block, so no eval would run
 EXT=(--max_steps "${EXT_STEPS:-4}" --max_minutes 1.5 --warmup_steps 2 --eval_every 4 --eval_batches 1 --log_every 1
-     --corpus_bytes 20000000)
+     --corpus_bytes 20000000 --val_fraction 0.05)
 if [ "$SMOKE" = 1 ]; then
   CFG="tiny-cpu defaults (SMOKE=1 rehearsal)"
   COMMON=(--max_steps 300 --warmup_steps 5 --save_every 1000000 --eval_every 10
@@ -226,7 +227,7 @@ stamp "plots and tables"
   --title "$MODEL_NAME, 8K packed context: ${MODES[*]}"
 if [ "$EXT_DONE" = 1 ]; then
   "$PY" -m hf_deltamatch.training.plot "$OUT/runs/extend-64k" -o "$OUT/loss_64k.png" --table "$OUT/table_64k.md" \
-    --x step --smooth 0
+    --x step --smooth 0 --title "$MODEL_NAME, 8K -> 64K extension from $EXT_FROM (fp8 Delta-Matching)"
 else
   echo "(skipped: not enough time left before DEADLINE_S=$DEADLINE_S)" > "$OUT/table_64k.md"
 fi

@@ -272,6 +272,89 @@ def test_triton_versions_script_deals_the_tests_to_parallel_processes(tmp_path):
     assert sorted(p.name for p in out.glob("pytest-gluon-*.log")) == [f"pytest-gluon-{i}.log" for i in range(3)]
 
 
+def test_triton_versions_script_fits_the_processes_to_free_gpu_memory(tmp_path):
+    """TV_PARALLEL is capped at what the free GPU memory holds at TV_GIB_PER_PROCESS (the tests' processes peak at
+    ~18 GiB each; more of them than fit die of out-of-memory errors): a stand-in nvidia-smi reporting 41000 MiB free
+    leaves 2 of 3 processes at 20 GiB each."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'case " $* " in\n'
+        '  *" --collect-only "*) for i in 0 1 2 3 4 5 6; do echo "tests/test_kernels_gpu.py::test_$i"; done ;;\n'
+        '  *" -m pytest "*) echo "$*" >> "$RUNS" ;;\n'
+        "esac\n")
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/usr/bin/env bash\necho 41000\n")
+    for f in (fake, smi):
+        f.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "TV_TOTAL": "60", "TV_PARALLEL": "3", "RUNS": str(tmp_path / "runs"),
+           "PATH": f"{smi.parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "triton_versions.sh"), str(tmp_path / "out")], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TV_PARALLEL 3 -> 2: 41000 MiB of GPU memory free" in proc.stdout
+    assert len((tmp_path / "runs").read_text().splitlines()) == 2
+
+
+def _fake_triton_wheel(path, elf):
+    """A wheel laid out like Triton's: the NVIDIA backend's two ptxas, cuobjdump, nvdisasm and CUPTI, an AMD backend,
+    an ELF shared library (a copy of `elf`) and a non-ELF one."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("triton/__init__.py", "__version__ = '9.9.0'\n")
+        z.write(elf, "triton/_C/libreal.so")
+        z.writestr("triton/_C/libtext.so", "not an ELF file\n")
+        for name in ("ptxas", "ptxas-blackwell", "cuobjdump", "nvdisasm"):
+            z.writestr(f"triton/backends/nvidia/bin/{name}", "#!/bin/sh\n")
+        z.writestr("triton/backends/nvidia/lib/cupti/libcupti_static.a", "x" * 1000)
+        z.writestr("triton/backends/nvidia/lib/cupti-blackwell/libcupti_static.a", "x" * 1000)
+        z.writestr("triton/backends/amd/lib/libtriton_amd_codegen.so", "x" * 1000)
+        z.writestr("triton-9.9.0.dist-info/METADATA", "Name: triton\nVersion: 9.9.0\n")
+        z.writestr("triton-9.9.0.dist-info/entry_points.txt",
+                   "[triton.backends]\namd = triton.backends.amd\nnvidia = triton.backends.nvidia\n")
+
+
+def test_pack_triton_keeps_what_the_gpu_runs_need(tmp_path):
+    """pack_triton.sh: the archive holds the NVIDIA backend with the ptxas asked for, cuobjdump and nvdisasm, and no
+    AMD backend (nor its entry point), CUPTI or other ptxas; ELF libraries are stripped and still load, other files
+    are left alone; --part-mib splits the archive; a missing --keep-ptxas is refused with the usage."""
+    import ctypes
+    import shutil
+    import sysconfig
+    import tarfile
+
+    # a small real shared library: one of the interpreter's own extension modules
+    elf = min(Path(sysconfig.get_config_var("DESTSHARED")).glob("*.so"), key=lambda p: p.stat().st_size, default=None)
+    if elf is None:
+        pytest.skip("no shared library of the interpreter's to pack")
+    wheel = tmp_path / "triton-9.9.0-py3-none-any.whl"
+    _fake_triton_wheel(wheel, elf)
+    script = str(ROOT / "benchmarks" / "pack_triton.sh")
+    proc = subprocess.run(["bash", script, str(wheel), str(tmp_path / "out"), "--keep-ptxas", "ptxas-blackwell"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with tarfile.open(tmp_path / "out" / "triton-9.9.0.tar.xz") as tar:
+        names = set(tar.getnames())
+        tar.extractall(tmp_path / "site", filter="data")
+    assert {f"triton/backends/nvidia/bin/{n}" for n in ("ptxas-blackwell", "cuobjdump", "nvdisasm")} <= names
+    assert not any("amd" in n or "cupti" in n or n.endswith("/bin/ptxas") for n in names), names
+    site = tmp_path / "site"
+    assert "amd" not in (site / "triton-9.9.0.dist-info" / "entry_points.txt").read_text()
+    assert (site / "triton/_C/libtext.so").read_text() == "not an ELF file\n"
+    packed = site / "triton/_C/libreal.so"
+    if shutil.which("strip"):
+        assert packed.stat().st_size <= elf.stat().st_size
+    ctypes.CDLL(str(packed), mode=os.RTLD_LAZY)  # still a loadable library
+    proc = subprocess.run(["bash", script, str(wheel), str(tmp_path / "parts"), "--keep-ptxas", "ptxas",
+                           "--part-mib", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [p.name for p in (tmp_path / "parts").iterdir()] == ["triton-9.9.0.tar.xz.part.aa"]
+    proc = subprocess.run(["bash", script, str(wheel), str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
 def test_window_presets_and_dry_run(bench, tmp_path):
     """The sliding-window presets (issue #32: W 4096 and 128 at 8K): FLOPs counted over the pairs the window shows
     (W = N: the causal count plus the diagonal's N/2 pairs), `W<n>` in custom shapes, and a dry run whose errors are

@@ -541,6 +541,19 @@ def _check_gluon_vs_triton(runs, what, tag, exact, lse_finite=False, same_stride
     errs = [_rel(a, b) for a, b in zip(gg, gt)]
     print(f"GLUON {what} vs TRITON {tag}: out {err:.3g} lse {lse_err:.3g} dq/dk/dv" + "/delta" * (len(errs) > 3),
           [float(f"{e:.3g}") for e in errs])
+    for name, a, b in zip(("dq", "dk", "dv"), gg, gt):  # where a gradient disagrees: its worst rows
+        if _rel(a, b) >= 1e-3:
+            rows = (a.float() - b.float()).abs().amax(dim=-1)
+            worst = rows.flatten().topk(min(4, rows.numel())).indices
+            print(f"  {name}: worst rows (index over {tuple(rows.shape)}, max abs diff, row norm):",
+                  [(tuple(int(x) for x in torch.unravel_index(w, rows.shape)), float(f"{rows.flatten()[w]:.3g}"),
+                    float(f"{b.float().flatten(0, -2)[w].norm():.3g}")) for w in worst])
+    # both against float64 before any assertion: where the two kernels disagree, this says which one strayed
+    o, grads = exact
+    errs_exact = {name: [_rel(f_[0], o)] + [_rel(a, b) for a, b in zip(g_[:3], grads)]
+                  for name, (f_, g_) in runs.items()}
+    print(f"{what} vs EXACT {tag}: out/dq/dk/dv",
+          {name: [float(f"{e:.3g}") for e in errs_] for name, errs_ in errs_exact.items()})
     assert err < 1e-3 and lse_err < 1e-4, (err, lse_err)
     for a, b in zip(fg[2:], ft[2:]):  # q8, k8, v8 and their scales: the same quantization
         assert a.shape == b.shape and torch.equal(a.float(), b.float())
@@ -548,11 +561,6 @@ def _check_gluon_vs_triton(runs, what, tag, exact, lse_finite=False, same_stride
     assert max(errs) < 1e-3, errs
     for t in (*fg[:2 if lse_finite else 1], *gg):
         assert torch.isfinite(t).all()
-    o, grads = exact
-    errs_exact = {name: [_rel(f_[0], o)] + [_rel(a, b) for a, b in zip(g_[:3], grads)]
-                  for name, (f_, g_) in runs.items()}
-    print(f"{what} vs EXACT {tag}: out/dq/dk/dv",
-          {name: [float(f"{e:.3g}") for e in errs_] for name, errs_ in errs_exact.items()})
     for eg, et in zip(errs_exact["gluon"], errs_exact["triton"]):
         assert eg <= 1.05 * et + 1e-3, errs_exact
     if capped:

@@ -37,6 +37,27 @@ def test_validation_split_does_not_depend_on_seed(corpus, tmp_path):
     assert other != seed0
 
 
+def test_validation_split_too_small_for_a_block_warns(corpus, tmp_path):
+    """A validation split that packs into no block of seq_len tokens (a 64K stage's few held-out documents) turns
+    evaluation off with a warning that names the remedy, rather than leaving every eval step silently missing; one
+    that packs into a block evaluates."""
+    from hf_deltamatch.training.data import build_dataloaders, load_text_splits, load_tokenizer, \
+        tokenizer_training_texts
+
+    base = {**tiny_args(tmp_path, corpus, val_fraction=0.1), "output_dir": str(tmp_path / "a")}
+    cfg = parse_config(to_argv(base))
+    train, val = load_text_splits(cfg)
+    tokenizer = load_tokenizer(cfg, tokenizer_training_texts(train))
+    _, val_dl, _ = build_dataloaders(cfg, tokenizer, train, val)
+    assert val_dl is not None and len(val_dl) > 0
+    # a block longer than the whole validation split, yet short enough for the training split's batches
+    n_val_tokens = sum(len(tokenizer(t)["input_ids"]) + 1 for t in val["text"])
+    big = parse_config(to_argv({**base, "seq_len": n_val_tokens + 1, "batch_size": 1}))
+    with pytest.warns(UserWarning, match=r"validation split .* packs into no block of \d+ tokens.*--val_fraction"):
+        _, val_dl, _ = build_dataloaders(big, tokenizer, train, val)
+    assert val_dl is None
+
+
 def test_seeds_sweep_and_summary(corpus, tmp_path):
     """Two modes x two seeds of the tiny config, then the noise-floor table."""
     from accelerate.state import AcceleratorState, GradientState, PartialState

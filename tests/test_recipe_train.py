@@ -83,6 +83,12 @@ def test_plot_compares_runs(corpus, tmp_path):
     rows = [l for l in md.read_text().splitlines() if l.startswith("| ") and not l.startswith("| run")]
     assert [r.split("|")[1].strip() for r in rows] == ["lr0.003", "lr0.001"]
     assert "train loss @ step 4" in md.read_text()
+    # the gap panel (each run minus the first) only where there is a second run: one run, one panel (8 x 5 in)
+    import matplotlib.image
+
+    one = tmp_path / "one.png"
+    assert plot_main([run_dirs[0], "-o", str(one)]) == 0
+    assert matplotlib.image.imread(png).shape[0] == 7 * 120 and matplotlib.image.imread(one).shape[0] == 5 * 120
     assert plot_main([str(tmp_path / "nope")]) == 2
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 import torch
@@ -333,6 +334,11 @@ def build_dataloaders(cfg: TrainConfig, tokenizer, train_text, val_text):
     val_dl = None
     if val is not None:
         if not cfg.streaming and len(val) == 0:
+            # e.g. a 64K stage whose held-out documents add up to less than one block: say so, since every eval
+            # step (and the run's final validation CE) would otherwise be missing without a word
+            warnings.warn(f"the validation split ({len(val_text)} documents) packs into no block of {cfg.seq_len} "
+                          f"tokens, so this run has no evaluation; raise --val_fraction (now {cfg.val_fraction}) or "
+                          "give more data", stacklevel=2)
             val = None
         else:
             val_dl = DataLoader(val, batch_size=cfg.batch_size, collate_fn=collate, shuffle=False, drop_last=False)

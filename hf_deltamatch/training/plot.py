@@ -47,7 +47,12 @@ def plot_runs(runs: list[dict], out: Path, smooth: float = 0.8, x: str = "tokens
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    # the gap panel compares runs with the first: with one run there is nothing to draw there
+    if len(runs) > 1:
+        fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.4]})
+    else:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        ax_d = None
     base = None
     for i, run in enumerate(runs):
         color = f"C{i}"
@@ -66,19 +71,23 @@ def plot_runs(runs: list[dict], out: Path, smooth: float = 0.8, x: str = "tokens
                 base_name = run["name"]
             else:
                 common = [(xx, yy - base[xx]) for xx, yy in zip(xs, ys) if xx in base]
-                if common:
+                if common and ax_d is not None:
                     ax_d.plot([c[0] for c in common], [c[1] for c in common], color=color, lw=1.2,
                               label=f"{run['name']} - {base_name}")
     ax.set_ylabel("cross-entropy (nats)")
     ax.set_title(title or "training loss (EMA %.2f) and validation CE" % smooth)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax_d.axhline(0, color="k", lw=0.8)
-    ax_d.set_ylabel("train loss gap")
-    ax_d.set_xlabel("tokens" if x == "tokens" else "optimizer step")
-    ax_d.grid(alpha=0.3)
-    if ax_d.lines[1:]:
-        ax_d.legend(fontsize=8)
+    xlabel = "tokens" if x == "tokens" else "optimizer step"
+    if ax_d is None:
+        ax.set_xlabel(xlabel)
+    else:
+        ax_d.axhline(0, color="k", lw=0.8)
+        ax_d.set_ylabel("train loss gap")
+        ax_d.set_xlabel(xlabel)
+        ax_d.grid(alpha=0.3)
+        if ax_d.lines[1:]:
+            ax_d.legend(fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
