@@ -59,6 +59,7 @@ class TrainConfig:
     fp8_linear: bool = False  # torchao float8 training for nn.Linear (FP8 tensor cores on H100/H200; CPU emulates)
     compile_fp8_linear: bool = False  # torch.compile each float8 linear (torchao fuses its casts only when compiled)
     gradient_checkpointing: bool = False
+    fused_norms: bool = False  # the RMSNorms through F.rms_norm (one op, fused on CUDA) instead of eager fp32 ops
     loss_chunk: int = 0  # >0: cross-entropy over chunks of this many tokens, logits recomputed in backward
     rope_theta: float | None = None  # override (context extension)
     rope_scaling: Any = None  # dict merged into config.rope_parameters, e.g. {"rope_type": "yarn", "factor": 8}

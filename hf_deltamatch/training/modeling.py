@@ -197,6 +197,12 @@ def build_model(cfg: TrainConfig, tokenizer):
         log.warning(refusal)
     if n_linear:
         log.info("Gated DeltaNet layers run per document (%d layers; flash-linear-attention not installed)", n_linear)
+    if cfg.fused_norms:
+        from .norms import fuse_rms_norms
+
+        n_norms, eager = fuse_rms_norms(model)
+        log.info("--fused_norms: %d RMSNorms run through F.rms_norm%s", n_norms,
+                 f" ({', '.join(eager)} stay eager)" if eager else "")
     if cfg.fp8_linear:
         convert_linear_to_fp8(model, compile=cfg.compile_fp8_linear)
     if cfg.lora:
