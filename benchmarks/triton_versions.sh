@@ -14,6 +14,7 @@
 #   pytest-ids.txt, pytest-gluon-<i>.log
 #                      pytest -m gpu tests/test_kernels_gpu.py -k "hopper" (the Gluon kernels' GPU tests): the ids,
 #                      then TV_PARALLEL (default 4) processes' verbose logs, the ids dealt round-robin
+#   gpu-peak.txt       each test's peak GPU memory (GiB reserved by PyTorch; tests/conftest.py)
 #   attention-*.json/.md, attention-progress.log
 #                      benchmarks/attention.py on 8K causal/full at D=128 and D=64, fp8-matching vs SDPA cuDNN
 # Budget ~10 min on one H200 (env-overridable, seconds): TV_TOTAL (default 590) for the whole script,
@@ -71,8 +72,9 @@ grep -E "^== |operands: " "$OUT/operands.log"
 #    selected test ids dealt round-robin, each process verbose, so that a log names every test that passed before a
 #    time limit stopped it.
 PARALLEL="${TV_PARALLEL:-4}"
-# Each test process peaks at ~18 GiB of GPU memory (N = 8192 float64 references): no more processes than the free
-# memory holds at TV_GIB_PER_PROCESS (default 20), or the extra ones fail with out-of-memory errors, not test failures.
+# Test processes peaked at ~18 GiB of GPU memory with whole-batch N = 8192 float64 references (now computed a head
+# at a time; gpu-peak.txt has the peaks since): no more processes than the free memory holds at TV_GIB_PER_PROCESS
+# (default 20), or the extra ones fail with out-of-memory errors, not test failures.
 if command -v nvidia-smi > /dev/null 2>&1; then
     free_mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits 2>/dev/null | head -n 1)
     if [ -n "$free_mib" ] && [ "$free_mib" -eq "$free_mib" ] 2>/dev/null; then
@@ -88,7 +90,9 @@ fi
 SELECT=(${TV_PYTEST_ARGS:--k hopper})
 "$PYTHON" -m pytest -m gpu tests/test_kernels_gpu.py -q --collect-only -p no:cacheprovider "${SELECT[@]}" \
     2>/dev/null | grep '::' > "$OUT/pytest-ids.txt"
-rm -f "$OUT"/pytest-shard-*.txt "$OUT"/pytest-gluon-*.log
+rm -f "$OUT"/pytest-shard-*.txt "$OUT"/pytest-gluon-*.log "$OUT/gpu-peak.txt"
+# each test's peak GPU memory (tests/conftest.py), for TV_GIB_PER_PROCESS
+export HF_DELTAMATCH_GPU_PEAK_LOG="$OUT/gpu-peak.txt"
 if [ -s "$OUT/pytest-ids.txt" ]; then
     awk -v n="$PARALLEL" -v out="$OUT" '{ print > (out "/pytest-shard-" ((NR - 1) % n) ".txt") }' "$OUT/pytest-ids.txt"
     pids=()
@@ -120,6 +124,10 @@ case $pytest_rc in
     *) pytest_status="FAILED (rc=$pytest_rc)" ;;
 esac
 echo "== pytest -m gpu tests/test_kernels_gpu.py: $pytest_status (${#pids[@]} processes, $(( $(date +%s) - started )) s) =="
+if [ -s "$OUT/gpu-peak.txt" ]; then
+    echo "== the largest GPU peaks (GiB reserved, gpu-peak.txt) =="
+    sort -k2 -n "$OUT/gpu-peak.txt" | tail -n 3
+fi
 cat "$OUT"/pytest-gluon-*.log | grep -E "^(ERRS|GLUON vs|DKDV PIPE)| (PASSED|FAILED|ERROR|SKIPPED)|passed|failed" \
     | tail -n 60
 

@@ -48,3 +48,17 @@ def _restore_default_config():
             os.environ.pop(var, None)
         else:
             os.environ[var] = value
+
+
+@pytest.fixture(autouse=True)
+def _gpu_peak_memory(request):
+    """With HF_DELTAMATCH_GPU_PEAK_LOG set, each GPU test appends its id and the peak GiB that PyTorch's allocator
+    reserved to that file: benchmarks/triton_versions.sh sizes its parallel test processes by it."""
+    path = os.environ.get("HF_DELTAMATCH_GPU_PEAK_LOG")
+    if not path or "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{request.node.nodeid} {torch.cuda.max_memory_reserved() / 2**30:.2f}\n")

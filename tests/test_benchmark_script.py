@@ -256,7 +256,7 @@ def test_triton_versions_script_deals_the_tests_to_parallel_processes(tmp_path):
         '  *" --collect-only "*) for i in 0 1 2 3 4 5 6; do echo "tests/test_kernels_gpu.py::test_$i"; done ;;\n'
         '  *"::test_1 "*) echo "$*" >> "$RUNS"; exit 1 ;;\n'
         '  *"::test_2 "*) echo "$*" >> "$RUNS"; exit 124 ;;\n'
-        '  *" -m pytest "*) echo "$*" >> "$RUNS" ;;\n'
+        '  *" -m pytest "*) echo "$* PEAK=$HF_DELTAMATCH_GPU_PEAK_LOG" >> "$RUNS" ;;\n'
         "esac\n")
     fake.chmod(0o755)
     out = tmp_path / "out"
@@ -267,6 +267,7 @@ def test_triton_versions_script_deals_the_tests_to_parallel_processes(tmp_path):
     assert "tests/test_kernels_gpu.py: FAILED (rc=1) (3 processes" in proc.stdout
     runs = sorted((tmp_path / "runs").read_text().splitlines())
     assert len(runs) == 3 and all(" -v " in r for r in runs)
+    assert all(r.endswith(f"PEAK={out / 'gpu-peak.txt'}") for r in runs if "::test_0 " in r)  # conftest's peak log
     dealt = sorted(sorted(int(t.rsplit("_", 1)[1]) for t in r.split() if "::" in t) for r in runs)
     assert dealt == [[0, 3, 6], [1, 4], [2, 5]]
     assert sorted(p.name for p in out.glob("pytest-gluon-*.log")) == [f"pytest-gluon-{i}.log" for i in range(3)]

@@ -13,6 +13,7 @@ from hf_deltamatch import reference as R  # noqa: E402
 from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _exact_attention import exact_attention as _exact  # noqa: E402
 from _gluon import skip_unless_gluon_triton  # noqa: E402
 
 if torch.cuda.is_available():
@@ -516,18 +517,6 @@ def _gluon_launches(monkeypatch, windows=None):
             return _real(*args, **kwargs)
         monkeypatch.setattr(mod, name, launch)
     return calls
-
-
-def _exact(q, k, v, do, causal, mask=None):
-    """Exact attention in float64 (SDPA's math on the GPU): out and (dq, dk, dv), GQA by repeating k, v. mask: a
-    boolean (N, M) mask (True: seen) instead of `causal`'s."""
-    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-    groups = q.shape[1] // k.shape[1]
-    o = torch.nn.functional.scaled_dot_product_attention(qd, kd.repeat_interleave(groups, 1),
-                                                         vd.repeat_interleave(groups, 1), attn_mask=mask,
-                                                         is_causal=causal and mask is None)
-    o.backward(do.double())
-    return o, (qd.grad, kd.grad, vd.grad)
 
 
 def _check_gluon_vs_triton(runs, what, tag, exact, lse_finite=False, same_strides=False, capped=True):

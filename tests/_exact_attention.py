@@ -1,0 +1,26 @@
+"""Exact attention in float64, the GPU tests' ground truth (tests/test_kernels_gpu.py)."""
+
+import torch
+
+
+def exact_attention(q, k, v, do, causal, mask=None):
+    """Exact attention in float64 (SDPA's math on the GPU): out and (dq, dk, dv), GQA by summing each KV head's
+    gradients over its query heads. mask: a boolean (N, M) mask (True: seen) instead of `causal`'s. One (batch,
+    query head) at a time: the whole batch's float64 score matrices at N = 8192 took ~16 GiB per test process, which
+    capped how many processes fit on one GPU (triton_versions.sh)."""
+    B, Hq = q.shape[:2]
+    groups = Hq // k.shape[1]
+    o = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    dq = torch.empty_like(o)
+    dk = torch.zeros(k.shape, dtype=torch.float64, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
+    for b in range(B):
+        for h in range(Hq):
+            qd, kd, vd = (t.double().requires_grad_() for t in (q[b, h], k[b, h // groups], v[b, h // groups]))
+            oh = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask,
+                                                                  is_causal=causal and mask is None)
+            oh.backward(do[b, h].double())
+            o[b, h], dq[b, h] = oh.detach(), qd.grad
+            dk[b, h // groups] += kd.grad
+            dv[b, h // groups] += vd.grad
+    return o, (dq, dk, dv)
