@@ -6,8 +6,9 @@ import torch
 def exact_attention(q, k, v, do, causal, mask=None):
     """Exact attention in float64 (SDPA's math on the GPU): out and (dq, dk, dv), GQA by summing each KV head's
     gradients over its query heads. mask: a boolean (N, M) mask (True: seen) instead of `causal`'s. One (batch,
-    query head) at a time: the whole batch's float64 score matrices at N = 8192 took ~16 GiB per test process, which
-    capped how many processes fit on one GPU (triton_versions.sh)."""
+    query head) at a time: at N = 8192 each whole-batch (B2 H4) float64 N x N matrix is 4 GiB, and SDPA's math keeps
+    several, most of the ~18 GiB a test process peaked at; that capped how many processes fit on one GPU
+    (triton_versions.sh)."""
     B, Hq = q.shape[:2]
     groups = Hq // k.shape[1]
     o = torch.empty(q.shape, dtype=torch.float64, device=q.device)
