@@ -90,13 +90,42 @@ class OddRMSNorm(nn.Module):
         return self.weight * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)
 
 
-def test_a_norm_no_candidate_reproduces_stays_eager_and_is_named(caplog):
-    model = nn.Sequential(OddRMSNorm(32), nn.Linear(32, 32))
+class FusedRMSNormGated(nn.Module):
+    """Another library's norm (flash-linear-attention's fused gated norm has this name): not transformers', so left
+    alone, its optional arguments notwithstanding."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x, g, residual=None, prenorm=False):
+        raise AssertionError("never probed")
+
+
+def test_a_norm_no_candidate_reproduces_stays_eager_and_is_named(caplog, monkeypatch):
+    """A transformers norm (OddRMSNorm, placed in a transformers module) with arithmetic no candidate has stays
+    eager and is named; another library's norm is neither probed nor named."""
+    monkeypatch.setattr(OddRMSNorm, "__module__", "transformers.models.odd.modeling_odd")
+    model = nn.Sequential(OddRMSNorm(32), nn.Linear(32, 32), FusedRMSNormGated(32))
     before = model[0].forward
     with caplog.at_level("WARNING"):
         n, left = norms.fuse_rms_norms(model)
     assert (n, left) == (0, ["OddRMSNorm"]) and model[0].forward == before
+    assert "forward" not in vars(model[2])
     assert "OddRMSNorm" in caplog.text and "stays eager" in caplog.text
+
+
+def test_qwen3_next_norms_fused_and_unchanged():
+    """Qwen3-Next (zero-centred norms and, without flash-linear-attention, transformers' gated norm): every norm
+    fused, forward and gradients as the eager model's in fp32."""
+    eager, fused = build("qwen3_next", "sdpa", dtype=torch.float32), build("qwen3_next", "sdpa", dtype=torch.float32)
+    n, left = norms.fuse_rms_norms(fused)
+    assert n > 0 and left == []
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(4))
+    (l0, g0), (l1, g1) = _loss_and_grads(eager.train(), ids, False), _loss_and_grads(fused.train(), ids, False)
+    assert torch.allclose(l0, l1, rtol=1e-5)
+    for k in g0:
+        assert ((g0[k] - g1[k]).norm() / g0[k].norm().clamp_min(1e-30)) < 1e-5, k
 
 
 def test_build_model_applies_fused_norms(tmp_path):

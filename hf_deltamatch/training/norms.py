@@ -52,8 +52,9 @@ CANDIDATES = {1: (_zero_centered, _weight_after_cast), 2: (_gated_silu,)}  # by 
 
 
 def _n_inputs(m: nn.Module) -> int:
+    """The forward's required tensor arguments (optional ones, e.g. a residual, keep their defaults)."""
     params = [p for p in inspect.signature(type(m).forward).parameters.values()
-              if p.name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+              if p.name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
     return len(params)
 
 
@@ -83,23 +84,36 @@ def _agrees(m: nn.Module, candidate, n_inputs: int) -> bool:
     return True
 
 
+def _candidate_for(m: nn.Module):
+    """The first candidate that reproduces m's class's forward, or None (also when the probe itself fails)."""
+    k = _n_inputs(m)
+    for c in CANDIDATES.get(k, ()):
+        try:
+            if _agrees(m, c, k):
+                return c
+        except Exception as e:  # noqa: BLE001  (a forward the CPU probe cannot run: leave the class eager)
+            log.debug("--fused_norms: probing %s with %s failed: %s", type(m).__name__, c.__name__, e)
+    return None
+
+
 def fuse_rms_norms(model: nn.Module) -> tuple[int, list[str]]:
-    """Replace every RMSNorm's forward (modules whose class name ends in RMSNorm or RMSNormGated and that hold one
-    weight vector) by the F.rms_norm candidate that reproduces it. Returns (instances replaced, names of the classes
-    left eager)."""
+    """Replace the forward of every transformers RMSNorm (a module of transformers whose class name ends in RMSNorm
+    or RMSNormGated and that holds one weight vector; other libraries' norms, e.g. flash-linear-attention's fused
+    ones, are left as they are) by the F.rms_norm candidate that reproduces it. Returns (instances replaced, names
+    of the classes left eager)."""
     chosen: dict[type, object] = {}
     left: list[str] = []
     n = 0
     for m in model.modules():
         cls = type(m)
         name = cls.__name__
-        if not (name.endswith("RMSNorm") or name.endswith("RMSNormGated")):
+        if not (name.endswith("RMSNorm") or name.endswith("RMSNormGated")) or \
+                not cls.__module__.startswith("transformers."):
             continue
         if not isinstance(getattr(m, "weight", None), torch.Tensor) or m.weight.dim() != 1:
             continue
         if cls not in chosen:
-            k = _n_inputs(m)
-            chosen[cls] = next((c for c in CANDIDATES.get(k, ()) if _agrees(m, c, k)), None)
+            chosen[cls] = _candidate_for(m)
             if chosen[cls] is None:
                 left.append(name)
                 log.warning("--fused_norms: no fused form reproduces %s; it stays eager", name)
