@@ -5,8 +5,8 @@ Builds the model of a recipe config with hf_deltamatch.training (random init, as
 random tokens in the recipe's packed layout (PackedCollator: one row of batch x seq_len tokens with
 cu_seq_lens; no data needed), and runs W warm-up + S timed optimizer steps exactly as the recipe's loop does:
 bf16 autocast over fp32 master weights, grad_accum micro-batches, clipping, AdamW, gradient checkpointing and
-the chunked loss as the config sets them. Each configuration (setting x --attn x --linears) runs in a fresh
-subprocess. Settings:
+the chunked loss as the config sets them. Each configuration (setting x --attn x --linears x --norms) runs in a
+fresh subprocess. Settings:
   8k   recipes/configs/hybrid-1p7b.yaml as is (8K tokens per sequence)
   64k  hybrid-1p7b's model with extend-64k.yaml's 64K settings (seq_len 65536, batch 1, RoPE base 1e6,
        gradient checkpointing, loss_chunk 8192)
@@ -28,6 +28,7 @@ the gradient hook on its output to the gradient hook on its query; the same for 
 
   python benchmarks/train_throughput.py --out /tmp/tp                               # 8k and 64k, every attn
   python benchmarks/train_throughput.py --settings 64k --attn deltamatch_fp8 --linears bf16,fp8,fp8-compiled --out /tmp/tp
+  python benchmarks/train_throughput.py --settings 64k --attn deltamatch_fp8,sdpa --norms eager,fused --out /tmp/tp
   python benchmarks/train_throughput.py --settings recipes/configs/tiny-cpu.yaml --device cpu --steps 2 \\
       --warmup 1 --attn deltamatch_fp8,sdpa --out /tmp/tp                          # CPU smoke test
 Extra arguments after `--` go to the recipe's config parser (e.g. `-- --grad_accum 1 --batch_size 1`).
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -332,13 +334,14 @@ def attribute_step(step, sync, device, lm, top: int = 20) -> list[dict]:
 
 
 LINEARS = {"bf16": [], "fp8": ["--fp8_linear"], "fp8-compiled": ["--fp8_linear", "--compile_fp8_linear"]}
+NORMS = {"eager": [], "fused": ["--fused_norms"]}  # transformers' RMSNorms as they are / through F.rms_norm
 
 
-def recipe_config(setting: str, attn: str, linears: str, extra: list[str]):
+def recipe_config(setting: str, attn: str, linears: str, extra: list[str], norms: str = "eager"):
     from hf_deltamatch.training.config import load_config_file, parse_config
 
     base, extension = SETTINGS.get(setting, (Path(setting), None))
-    argv = ["--config", str(base), "--attn", attn] + LINEARS[linears]
+    argv = ["--config", str(base), "--attn", attn] + LINEARS[linears] + NORMS[norms]
     if extension is not None:
         ext = load_config_file(extension)
         for key in EXTENSION_KEYS:
@@ -382,7 +385,7 @@ def run_one(spec: dict) -> dict:
     device = torch.device(spec["device"])
     if spec["attn"] == varlen_attention.NAME:
         varlen_attention.register()
-    cfg = recipe_config(spec["setting"], spec["attn"], spec["linears"], spec["extra"])
+    cfg = recipe_config(spec["setting"], spec["attn"], spec["linears"], spec["extra"], spec.get("norms", "eager"))
     if device.type == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
     torch.manual_seed(cfg.seed)
@@ -456,7 +459,7 @@ def run_one(spec: dict) -> dict:
     achieved = flops["total"] * spec["steps"] / (total_ms / 1e3) / 1e12
     n_attn, n_gdn = layer_counts(lm.config)
     return {
-        "setting": spec["setting"], "attn": spec["attn"], "linears": spec["linears"],
+        "setting": spec["setting"], "attn": spec["attn"], "linears": spec["linears"], "norms": spec.get("norms", "eager"),
         "attn_implementation": lm.config._attn_implementation,
         "gdn_backend": gdn_backend() if n_gdn else None,
         "precision": cfg.precision if cfg.attn == "deltamatch_fp8" else None,
@@ -495,6 +498,11 @@ def _peak_tflops(device, given):
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
+def _variant(r: dict) -> str:
+    """The report's linears cell: the linear layers, and the norms where they are not transformers' own."""
+    return r["linears"] + (" + fused norms" if r.get("norms", "eager") != "eager" else "")
+
+
 def skip_reason(attn: str, linears: str, device) -> str | None:
     if attn == varlen_attention.NAME and device.type != "cuda":
         return f"{attn} (FlashAttention-2 through torch) needs a CUDA GPU"
@@ -530,11 +538,11 @@ def report_md(report) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         if r.get("status") != "ok":
-            lines.append(f"| {r['setting']} | {r['attn']} | {r['linears']} | {r.get('status')}: "
+            lines.append(f"| {r['setting']} | {r['attn']} | {_variant(r)} | {r.get('status')}: "
                          f"{r.get('reason', '')} |" + " |" * 11)
             continue
         lines.append(
-            f"| {r['setting']} | {r['attn']} | {r['linears']} | {r['gdn_backend']} | "
+            f"| {r['setting']} | {r['attn']} | {_variant(r)} | {r['gdn_backend']} | "
             f"{r['seq_len']} × {r['batch_size']} × {r['grad_accum']} | "
             f"{'yes' if r['gradient_checkpointing'] else 'no'} | {_fmt(r['step_ms'], '.0f')} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['peak_memory_gib'], '.1f')}"
             f" | {_fmt(r['achieved_tflops'], '.1f')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['attention_share'], '.1%')} |"
@@ -563,15 +571,15 @@ def report_md(report) -> str:
             cells = [f"{_fmt(p['categories'].get(c), '.0f')} ({_fmt(p['categories'].get(c, 0) / p['wall_ms'], '.0%')})"
                      for c in cats]
             idle = max(p["wall_ms"] - p["busy_ms"], 0.0)
-            lines.append(f"| {r['setting']} | {r['attn']} | {r['linears']} | {_fmt(p['wall_ms'], '.0f')} | "
+            lines.append(f"| {r['setting']} | {r['attn']} | {_variant(r)} | {_fmt(p['wall_ms'], '.0f')} | "
                          + " | ".join(cells) + f" | {_fmt(idle, '.0f')} ({_fmt(idle / p['wall_ms'], '.0%')}) |")
         for r in profiled:
-            lines += ["", f"Top kernels, {r['setting']} {r['attn']} {r['linears']}:", "",
+            lines += ["", f"Top kernels, {r['setting']} {r['attn']} {_variant(r)}:", "",
                       "| kernel | category | ms |", "|---|---|---|"]
             lines += [f"| `{k['name'][:100]}` | {k['category']} | {_fmt(k['ms'], '.1f')} |"
                       for k in r["profile"]["top"]]
             if r["profile"].get("by_owner"):
-                lines += ["", f"By owner, {r['setting']} {r['attn']} {r['linears']} (another profiled step, CPU ops "
+                lines += ["", f"By owner, {r['setting']} {r['attn']} {_variant(r)} (another profiled step, CPU ops "
                           "recorded: each ATen op's own kernels, to the innermost layer part around it, or to "
                           "the autograd node that ran it):", "", "| owner | category | ms |", "|---|---|---|"]
                 lines += [f"| {k['owner']} | {k['category']} | {_fmt(k['ms'], '.1f')} |"
@@ -594,6 +602,8 @@ def parse_args(argv=None):
                    help=f"comma-separated, each a configuration: {', '.join(LINEARS)} (torchao float8; -compiled: "
                         "under torch.compile, the recipe's --compile_fp8_linear)")
     p.add_argument("--fp8-linear", action="store_true", help="shorthand for --linears bf16,fp8")
+    p.add_argument("--norms", default="eager",
+                   help=f"comma-separated, each a configuration: {', '.join(NORMS)} (fused: the recipe's --fused_norms)")
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps before timing")
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
     p.add_argument("--docs-per-row", type=int, default=1, help="equal documents per packed sequence")
@@ -612,6 +622,10 @@ def parse_args(argv=None):
     unknown = [x for x in args.linears if x not in LINEARS]
     if unknown or not args.linears:
         p.error(f"--linears {','.join(unknown) or '(empty)'}: choose from {', '.join(LINEARS)}")
+    args.norms = [x.strip() for x in args.norms.split(",") if x.strip()]
+    unknown = [x for x in args.norms if x not in NORMS]
+    if unknown or not args.norms:
+        p.error(f"--norms {','.join(unknown) or '(empty)'}: choose from {', '.join(NORMS)}")
     return args
 
 
@@ -648,14 +662,15 @@ def main(argv=None) -> int:
 
     for setting in [s.strip() for s in args.settings.split(",") if s.strip()]:
         for attn in [a.strip() for a in args.attn.split(",") if a.strip()]:
-            for linears in args.linears:
-                row = {"setting": setting, "attn": attn, "linears": linears}
+            for linears, norms in itertools.product(args.linears, args.norms):
+                row = {"setting": setting, "attn": attn, "linears": linears, "norms": norms}
                 reason = skip_reason(attn, linears, device)
                 if reason:
                     report["runs"].append({**row, "status": "skipped", "reason": reason})
                     write()
                     continue
-                print(f"[train_throughput] {setting} {attn} linears={linears}", file=sys.stderr, flush=True)
+                print(f"[train_throughput] {setting} {attn} linears={linears} norms={norms}", file=sys.stderr,
+                      flush=True)
                 with tempfile.TemporaryDirectory() as tmp:
                     spec = {**row, "device": args.device, "warmup": args.warmup, "steps": args.steps,
                             "docs_per_row": args.docs_per_row, "extra": args.extra, "peak_tflops": peak,

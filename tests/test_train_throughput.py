@@ -141,6 +141,18 @@ def test_recipe_config_64k_settings(tp):
     assert cfg8.fp8_linear and cfg8.compile_fp8_linear and not cfg.fp8_linear
 
 
+def test_norms_option_and_config(tp):
+    """--norms: eager (transformers' RMSNorms) and fused (the recipe's --fused_norms), each a configuration."""
+    assert tp.parse_args([]).norms == ["eager"]
+    assert tp.parse_args(["--norms", "eager,fused"]).norms == ["eager", "fused"]
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--norms", "compiled"])
+    assert tp.recipe_config("64k", "sdpa", "bf16", [], "fused").fused_norms
+    assert not tp.recipe_config("64k", "sdpa", "bf16", []).fused_norms
+    assert tp._variant({"linears": "bf16", "norms": "fused"}) == "bf16 + fused norms"
+    assert tp._variant({"linears": "fp8"}) == "fp8"
+
+
 def test_linears_option(tp):
     assert tp.parse_args(["--linears", "bf16,fp8-compiled"]).linears == ["bf16", "fp8-compiled"]
     assert tp.parse_args(["--fp8-linear"]).linears == ["bf16", "fp8"]
@@ -154,12 +166,15 @@ def test_cpu_run_two_steps(tp, tmp_path):
     if gdn_backend() == "fla":
         pytest.skip("flash-linear-attention is installed: the tiny hybrid's Gated DeltaNet would need CUDA")
     rc = tp.main(["--settings", TINY, "--device", "cpu", "--warmup", "1", "--steps", "2", "--profile",
-                  "--attn", "deltamatch_fp8,flash_attention_2", "--out", str(tmp_path)])
+                  "--attn", "deltamatch_fp8,flash_attention_2", "--norms", "eager,fused", "--out", str(tmp_path)])
     assert rc == 0
     (js,) = tmp_path.glob("train-throughput-*-cpu.json")
     runs = json.loads(js.read_text())["runs"]
-    ok, skipped = runs
+    ok, fused, skipped, _ = runs
     assert ok["status"] == "ok" and skipped["status"] == "skipped" and "flash" in skipped["reason"]
+    assert (ok["norms"], fused["norms"], fused["status"]) == ("eager", "fused", "ok")
+    # the same random batch and init: the fused norms' losses are the eager ones' to float rounding
+    assert torch.allclose(torch.tensor(fused["losses"]), torch.tensor(ok["losses"]), rtol=1e-3)
     assert ok["tokens_per_s"] > 0 and ok["steps"] == 2 and len(ok["step_ms_all"]) == 2
     assert ok["tokens_per_step"] == 8 * 256 and ok["gdn_backend"] == gdn_backend()
     assert ok["attention_calls"] == 2  # one attention layer, 2 timed steps, no checkpointing
@@ -176,6 +191,7 @@ def test_cpu_run_two_steps(tp, tmp_path):
     assert all(k["ms"] > 0 for k in prof["by_owner"]) and len(prof["by_owner"]) <= 20
     md = js.with_suffix(".md").read_text()
     assert "deltamatch_fp8" in md and "Where the step time goes" in md and "Top kernels" in md and "By owner" in md
+    assert "| bf16 + fused norms |" in md
 
 
 def test_profile_categories_of_gpu_kernel_names(tp):
