@@ -385,7 +385,7 @@ def run_one(spec: dict) -> dict:
     device = torch.device(spec["device"])
     if spec["attn"] == varlen_attention.NAME:
         varlen_attention.register()
-    cfg = recipe_config(spec["setting"], spec["attn"], spec["linears"], spec["extra"], spec.get("norms", "eager"))
+    cfg = recipe_config(spec["setting"], spec["attn"], spec["linears"], spec["extra"], spec["norms"])
     if device.type == "cpu" and cfg.cpu_threads > 0:
         torch.set_num_threads(cfg.cpu_threads)
     torch.manual_seed(cfg.seed)
@@ -459,7 +459,7 @@ def run_one(spec: dict) -> dict:
     achieved = flops["total"] * spec["steps"] / (total_ms / 1e3) / 1e12
     n_attn, n_gdn = layer_counts(lm.config)
     return {
-        "setting": spec["setting"], "attn": spec["attn"], "linears": spec["linears"], "norms": spec.get("norms", "eager"),
+        "setting": spec["setting"], "attn": spec["attn"], "linears": spec["linears"], "norms": spec["norms"],
         "attn_implementation": lm.config._attn_implementation,
         "gdn_backend": gdn_backend() if n_gdn else None,
         "precision": cfg.precision if cfg.attn == "deltamatch_fp8" else None,

@@ -75,13 +75,14 @@ PARALLEL="${TV_PARALLEL:-4}"
 # Test processes peaked at ~18 GiB of GPU memory with whole-batch N = 8192 float64 references (now computed a head
 # at a time; gpu-peak.txt has the peaks since): no more processes than the free memory holds at TV_GIB_PER_PROCESS
 # (default 20), or the extra ones fail with out-of-memory errors, not test failures.
+GIB_PER_PROCESS="${TV_GIB_PER_PROCESS:-20}"
 if command -v nvidia-smi > /dev/null 2>&1; then
     free_mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits 2>/dev/null | head -n 1)
     if [ -n "$free_mib" ] && [ "$free_mib" -eq "$free_mib" ] 2>/dev/null; then
-        fit=$(( free_mib / (${TV_GIB_PER_PROCESS:-20} * 1024) ))
+        fit=$(( free_mib / (GIB_PER_PROCESS * 1024) ))
         [ "$fit" -lt 1 ] && fit=1
         if [ "$PARALLEL" -gt "$fit" ]; then
-            echo "== TV_PARALLEL $PARALLEL -> $fit: $free_mib MiB of GPU memory free, ${TV_GIB_PER_PROCESS:-20} GiB per process =="
+            echo "== TV_PARALLEL $PARALLEL -> $fit: $free_mib MiB of GPU memory free, $GIB_PER_PROCESS GiB per process =="
             PARALLEL=$fit
         fi
     fi

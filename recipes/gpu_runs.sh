@@ -18,9 +18,9 @@
 # fallback is too slow without flash-linear-attention) or MODEL=hybrid-1p7b (the paper-shaped hybrid,
 # recipes/configs/hybrid-1p7b.yaml: 18 Gated DeltaNet + 6 GQA layers, ~1.7B params), MODES="bf16 fp8-matching
 # fp8-stale" (the 8K runs, in order, any subset: the first trains the tokenizer; the 64K step starts from
-# fp8-matching, or from the last run without it), EXT_STEPS=4 (optimizer steps of the 64K stage; 2 with SMOKE=1), MINUTES=1.4,
-# PYTHON=python, WHEELS=dir with wheels for missing packages (datasets), SMOKE=1 (tiny CPU rehearsal of this
-# script, for CI machines),
+# fp8-matching, or from the last run without it), EXT_STEPS=4 (optimizer steps of the 64K stage; 2 with
+# SMOKE=1), MINUTES=1.4, PYTHON=python, WHEELS=dir with wheels for missing packages (datasets), SMOKE=1 (tiny CPU
+# rehearsal of this script, for CI machines),
 # DEADLINE_S=0 (off; >0: the whole script should end this many seconds after it starts: each 8K run gets
 # min(MINUTES, its share of the time left after ~25 s start-up per run and ~90 s for the 64K step and the
 # plots), and the 64K step is skipped when under 90 s are left; for a command with a hard limit, where

@@ -3,8 +3,9 @@
 transformers' RMSNorms run eagerly in fp32: upcast, pow, mean, rsqrt, one or two multiplies and a downcast, each a
 kernel that reads and writes the whole activation, each saved for backward, all of it twice under checkpointing.
 On the 1.7B hybrid's 64K step they and the Gated DeltaNet's fp32 gating took ~0.4-0.5 s of 3.8 s together
-(benchmarks/results/2026-12-02-h200-two-tritons; the profile's backward nodes do not separate the two). `F.rms_norm` computes the same thing as one ATen op
-(`_fused_rms_norm` and its backward on CUDA; a composite of the same math on CPU).
+(benchmarks/results/2026-12-02-h200-two-tritons; the profile's backward nodes do not separate the two).
+`F.rms_norm` computes the same thing as one ATen op (`_fused_rms_norm` and its backward on CUDA; a composite of the
+same math on CPU).
 
 Which fused forward stands in for a norm class is decided by measurement, not by name: for each class the candidates
 below run beside the class's own forward on random inputs (fp32 and bf16, random weights), and the first that
@@ -74,10 +75,11 @@ def _agrees(m: nn.Module, candidate, n_inputs: int) -> bool:
             probe.zero_grad(set_to_none=True)
             y = fn(probe, *xs)
             y.float().pow(2).sum().backward()
-            outs.append((y.detach().float(), [t.grad.float() for t in xs], probe.weight.grad.clone()))
+            outs.append((y.detach(), [t.grad.float() for t in xs], probe.weight.grad.clone()))
         (y0, g0, w0), (y1, g1, w1) = outs
         if y0.dtype != y1.dtype or y0.shape != y1.shape:
             return False
+        y0, y1 = y0.float(), y1.float()
         for a, b in [(y0, y1), *zip(g0, g1), (w0, w1)]:
             if not torch.allclose(a, b, rtol=tol, atol=tol * max(1.0, b.abs().max().item())):
                 return False
