@@ -18,8 +18,9 @@
 #   attention-*.json/.md, attention-progress.log
 #                      benchmarks/attention.py on 8K causal/full at D=128 and D=64, fp8-matching vs SDPA cuDNN
 # Budget ~10 min on one H200 (env-overridable, seconds): TV_TOTAL (default 590) for the whole script,
-# TV_PYTEST_TIMEOUT (default 330) for the tests (each process); TV_PYTEST_ARGS replaces the -k selection (e.g.
-# "-k dkdv_hopper"); TV_PARALLEL (default 4) the test processes, capped at what the free GPU memory holds at
+# TV_PYTEST_TIMEOUT (default 330) for the tests (each process); TV_PYTEST_K replaces the -k expression (default
+# "hopper"; spaces allowed, e.g. "window or (ragged and 129-)"), TV_PYTEST_ARGS the whole selection (split on
+# spaces); TV_PARALLEL (default 4) the test processes, capped at what the free GPU memory holds at
 # TV_GIB_PER_PROCESS (default 20) GiB each;
 # TV_SHAPES (default n8192c,n8192f,d64,B2-H32-KV32-N8192-D64-full) and TV_OPS (default dm-fp8-matching,sdpa-cudnn)
 # for the benchmark, TV_BENCH=0 to leave it out (two versions' tests at once in one call, their timings apart after);
@@ -87,8 +88,12 @@ if command -v nvidia-smi > /dev/null 2>&1; then
         fi
     fi
 fi
-# shellcheck disable=SC2206  # TV_PYTEST_ARGS is meant to split into arguments
-SELECT=(${TV_PYTEST_ARGS:--k hopper})
+if [ -n "${TV_PYTEST_ARGS:-}" ]; then
+    # shellcheck disable=SC2206  # TV_PYTEST_ARGS is meant to split into arguments
+    SELECT=(${TV_PYTEST_ARGS})
+else
+    SELECT=(-k "${TV_PYTEST_K:-hopper}")
+fi
 "$PYTHON" -m pytest -m gpu tests/test_kernels_gpu.py -q --collect-only -p no:cacheprovider "${SELECT[@]}" \
     2>/dev/null | grep '::' > "$OUT/pytest-ids.txt"
 rm -f "$OUT"/pytest-shard-*.txt "$OUT"/pytest-gluon-*.log "$OUT/gpu-peak.txt"
