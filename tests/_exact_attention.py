@@ -11,8 +11,8 @@ def exact_attention(q, k, v, do, causal, mask=None):
     (triton_versions.sh)."""
     B, Hq = q.shape[:2]
     groups = Hq // k.shape[1]
-    o = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    dq = torch.empty_like(o)
+    o = torch.empty(do.shape, dtype=torch.float64, device=q.device)  # (B, Hq, N, Dv): MLA's Dv differs from Dqk
+    dq = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float64, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
     for b in range(B):

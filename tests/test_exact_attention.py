@@ -6,14 +6,16 @@ import torch
 from _exact_attention import exact_attention
 
 
+@pytest.mark.parametrize("dv", [8, 6], ids=["dqk=dv", "mla"])
 @pytest.mark.parametrize("mask", [None, "window"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_exact_per_head_equals_the_whole_batch(causal, mask):
+def test_exact_per_head_equals_the_whole_batch(causal, mask, dv):
     """exact_attention, run a (batch, head) at a time, against SDPA's float64 math over the whole batch with k, v
-    repeated for GQA (what it replaced): the same out and gradients to float64 rounding. Runs on the CPU too."""
+    repeated for GQA (what it replaced): the same out and gradients to float64 rounding, with Dv = Dqk and with
+    MLA's Dv < Dqk. Runs on the CPU too."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    q, k, v, do = (torch.randn(2, h, 40, 8, generator=g).to(dev) for h in (4, 2, 2, 4))
+    q, k, v, do = (torch.randn(2, h, 40, d, generator=g).to(dev) for h, d in ((4, 8), (2, 8), (2, dv), (4, dv)))
     m = torch.ones(40, 40, dtype=torch.bool, device=dev).tril() & ~torch.ones(40, 40, dtype=torch.bool,
                                                                              device=dev).tril(-9) if mask else None
     o, grads = exact_attention(q, k, v, do, causal, m)
