@@ -452,7 +452,7 @@ def test_hopper_packed(cu, D, tune):
     Sequences of 1, 64 and 128 tokens, an empty one, and (second case) tokens after the last sequence, whose
     outputs stay 0 (LSE -inf); GQA and MHA; D=128 and D=64 (where packed batches take the Gluon forward and dQ
     kernels that dense ones do not), and with the other choice of two or three warpgroups for dK/dV (`tune`)."""
-    skip_unless_gluon_triton()
+    skip_unless_gluon_triton(D, padded=True)
     N = 4096
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
     end = cu[-1]
@@ -519,12 +519,28 @@ def _gluon_launches(monkeypatch, windows=None):
     return calls
 
 
+def _isolated_rows(a, b):
+    """Whether a and b (gradients (B, H, N, D) or delta (B, H, N) of two kernels) differ in at most 1 row in 256 (2
+    at least). The two kernels
+    compute P and dS in fp32 in different orders (LSE2 and delta come from different dQ kernels on the dense and the
+    padded layouts), so a score within an fp32 rounding of an fp8 boundary can round to the neighbouring fp8 value in
+    one of them: its row moves by one fp8 step of that product (e4m3: 1/8 relative), which at small N is more than
+    1e-3 of the whole gradient's norm. On the H200 at N = 129, D = 64, full mask, MHA, dV differed in 1 row of 1032
+    (1.8e-3), where the Triton kernel was the one off the reference backend (3.3e-3 against the Gluon kernel's 2.7e-3,
+    benchmarks/results/2026-12-02-h200-triton371/). A masking or indexing fault moves many rows."""
+    diff = (a.float() - b.float()).abs()
+    rows = diff.amax(dim=-1) if diff.dim() == 4 else diff
+    differ = int((rows > 0).sum())
+    print(f"  {differ} of {rows.numel()} rows differ")
+    return differ <= max(2, rows.numel() // 256)
+
+
 def _check_gluon_vs_triton(runs, what, tag, exact, lse_finite=False, same_strides=False, capped=True):
     """A Gluon run against a Triton run on the same inputs ({"gluon"/"triton": (forward results, backward results)}):
     the forward within 1e-3 (LSE 1e-4), the saved tensors bit for bit (and their strides with `same_strides`), the
-    backward's results within 1e-3, all finite (LSE too with `lse_finite`); against exact float64 attention
-    (`exact`: _exact's out and gradients) within 5 % + 1e-3 of the Triton kernels' error, and with `capped` under
-    1e-1 (out) / 2e-1 (gradients)."""
+    backward's results within 1e-3 or apart in isolated rows only (_isolated_rows), all finite (LSE too with
+    `lse_finite`); against exact float64 attention (`exact`: _exact's out and gradients) within 5 % + 1e-3 of the
+    Triton kernels' error, and with `capped` under 1e-1 (out) / 2e-1 (gradients)."""
     (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
     err, lse_err = _rel(fg[0], ft[0]), (fg[1] - ft[1]).abs().max().item()
     errs = [_rel(a, b) for a, b in zip(gg, gt)]
@@ -547,7 +563,8 @@ def _check_gluon_vs_triton(runs, what, tag, exact, lse_finite=False, same_stride
     for a, b in zip(fg[2:], ft[2:]):  # q8, k8, v8 and their scales: the same quantization
         assert a.shape == b.shape and torch.equal(a.float(), b.float())
         assert not same_strides or a.stride() == b.stride()
-    assert max(errs) < 1e-3, errs
+    for name, e, a, b in zip(("dq", "dk", "dv", "delta"), errs, gg, gt):
+        assert e < 1e-3 or _isolated_rows(a, b), (name, errs)
     for t in (*fg[:2 if lse_finite else 1], *gg):
         assert torch.isfinite(t).all()
     for eg, et in zip(errs_exact["gluon"], errs_exact["triton"]):
@@ -566,15 +583,15 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
     rows, not the next head), GQA and MHA, causal and full:
       - the Gluon forward, dQ and dK/dV kernels really launch, with the dense layout; with TUNE hopper_ragged off none;
       - against the Triton kernels on the same inputs: the forward within the dense Gluon forward's 1e-3 (LSE 1e-4),
-        the saved tensors bit for bit, the backward and the returned delta within the packed test's 1e-3, all
-        finite;
+        the saved tensors bit for bit, the backward and the returned delta within the packed test's 1e-3 (or apart in
+        isolated rows: _isolated_rows), all finite;
       - against the reference backend (_compare: FP8_TOL, the Gluon tests' tolerance; 2e-2 at N = 8000, below) and
         exact float64 attention:
         there the FP8 quantization dominates (test_against_exact_attention measured 4.7e-2 on out, 5-6e-2 on the
         gradients at N = 2048), the same for both kernels, so the Gluon kernels' errors must stay within 5 % + 1e-3
         of the Triton kernels' (the two differ by < 1e-3, checked above; a masking fault adds tens of percent), and
         under that test's 5e-2 / 1e-1 doubled."""
-    skip_unless_gluon_triton()
+    skip_unless_gluon_triton(D, padded=True)
     calls = _gluon_launches(monkeypatch)
     npad = -(-N // 128) * 128
     for Hq, Hkv in ((4, 2), (4, 4)):
@@ -679,7 +696,7 @@ def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
       - against exact float64 attention: the Gluon path's out and gradients within 5 % + 1e-3 of the Triton path's
         errors (the FP8 quantization dominates both, and is the same), and against the reference backend (_compare)
         within FP8_TOL, 2e-2 at N = 8192 (the QGMMA accumulation over N queries: test_hopper_ragged)."""
-    skip_unless_gluon_triton()
+    skip_unless_gluon_triton(dims[0])
     Dqk, Dv = dims
     calls = _gluon_launches(monkeypatch)
     B = 2 if N <= 2048 else 1
@@ -845,7 +862,7 @@ def test_hopper_window(N, D, window, monkeypatch):
         (test_hopper_ragged's bounds);
       - the switch on through _compare (the kernels' own saved tensors and the reference's) against the reference
         backend, 2e-2 (test_hopper_ragged's bound at N > 4096: QGMMA's accumulation over N queries)."""
-    skip_unless_gluon_triton()
+    skip_unless_gluon_triton(D, padded=N % 128 != 0)
     windows = []
     calls = _gluon_launches(monkeypatch, windows)
     mask = _window_mask(N, window)
@@ -879,7 +896,7 @@ def test_hopper_window_packed(D, window, monkeypatch):
     sequences of 1000, 1 (each window restarts at its sequence's start), 1999 and 1096 tokens, GQA and MHA, D 128 and
     64: _gluon_vs_triton_window and _check_gluon_vs_triton (exact attention with the window's mask inside each
     sequence), then the switch on through _compare against the reference backend."""
-    skip_unless_gluon_triton()
+    skip_unless_gluon_triton(D, padded=True)
     windows = []
     calls = _gluon_launches(monkeypatch, windows)
     N, cu = 4096, [0, 1000, 1001, 3000, 4096]

@@ -72,12 +72,16 @@ def test_quantize_by_tile_list_equals_the_sequence_grid():
     assert (a[2][:, :, :3] == 1).all() and (a[2][:, :, 300:] == 1).all()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-token-major", "token-major-copy"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_quantize_padded_equals_quantize_then_pad(fmt):
+def test_quantize_padded_equals_quantize_then_pad(fmt, fused, monkeypatch):
     """quantize_padded (the Gluon kernels' packed operands in one pass) writes the bytes that quantize followed by
     the padding copies writes: packed (the tensors the backward keeps), padded row-major, padded token-major in
-    k_order, and the padded scales (1 in the rows of no token)."""
+    k_order, and the padded scales (1 in the rows of no token); the token-major copy written by the quantizing
+    kernel itself or copied from the padded row-major one (quantize.FUSED_PADDED_TOKEN_MAJOR: by Triton version)."""
+    from hf_deltamatch.kernels import quantize as Q
     from hf_deltamatch.kernels.quantize import quantize, quantize_padded, token_major
+    monkeypatch.setattr(Q, "FUSED_PADDED_TOKEN_MAJOR", fused)
     g = torch.Generator().manual_seed(2)
     cu = torch.tensor([3, 8, 8, 143, 303], dtype=torch.int32)  # lengths 5, 0, 135, 160; tokens outside on both ends
     x = torch.randn(1, 2, 310, 64, generator=g).to(torch.bfloat16) * 3
@@ -92,6 +96,8 @@ def test_quantize_padded_equals_quantize_then_pad(fmt):
     assert got[1].stride(2) == 1  # token-major storage, as the TMA descriptors read it
     (none_y, none_s), (py, pyt, ps) = quantize_padded(x, seg, fmt, packed=False)  # the backward's dO: padded only
     assert none_y is None and none_s is None and pyt is None
+    (_, _), (no_py, pyt_only, _) = quantize_padded(x, seg, fmt, packed=False, row_major=False, token_major=True)
+    assert no_py is None and torch.equal(pyt_only.float(), want[1].float()) and pyt_only.stride(2) == 1
     assert torch.equal(py.float(), want[0].float()) and torch.equal(ps, want[2])
     with pytest.raises(ValueError, match="128-token tiles"):
         quantize_padded(x, seg._replace(tiles=seg.tiles[:2]), fmt)
@@ -99,14 +105,18 @@ def test_quantize_padded_equals_quantize_then_pad(fmt):
         quantize_padded(x, seg, fmt, packed=False, row_major=False)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-token-major", "token-major-copy"])
 @pytest.mark.parametrize("N", [200, 129, 100])
-def test_dense_ragged_batch_is_its_own_padded_layout(N):
+def test_dense_ragged_batch_is_its_own_padded_layout(N, fused, monkeypatch):
     """A dense batch whose N is not a multiple of 128 takes the Gluon kernels' packed variant (launch.HOPPER_RAGGED)
     with each head one sequence of N tokens (ops._dense_layout) in the rows quantize() gives it (N rounded up to
     128, zeros past N): _padded_view of q8, k8, v8 and dO8 is, without a copy, what segments.pad makes of them, and
     quantize_padded (the forward's V, the backward's dO; B > 1 here, where packed batches have B = 1) writes the bytes
-    and scales quantize() writes, token-major in k_order over the padded rows (N need not be a multiple of 32)."""
+    and scales quantize() writes, token-major in k_order over the padded rows (N need not be a multiple of 32), the
+    token-major copy fused or not (quantize.FUSED_PADDED_TOKEN_MAJOR)."""
+    from hf_deltamatch.kernels import quantize as Q
     from hf_deltamatch.kernels.quantize import quantize, quantize_padded, token_major
+    monkeypatch.setattr(Q, "FUSED_PADDED_TOKEN_MAJOR", fused)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, N, 64, generator=g).to(torch.bfloat16) * 3
     seg = KO._dense_layout(N, x.device)

@@ -37,9 +37,10 @@ __all__ = ["backward", "forward", "supports"]
 DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.DS_TILE_Q)
 
 # Triton versions tests/test_kernels_gpu.py passed with on the H200. Triton 3.9 computes wrong fp8 forward outputs
-# unless quantize.FUSED_TOKEN_MAJOR works around it. Any other version gets a warning on its first CUDA launch. The
-# Gluon kernels (fwd_hopper, dq_hopper, dkdv_hopper) run only with launch.GLUON_TRITON_VERSIONS (3.6): elsewhere the
-# Triton kernels run everywhere.
+# unless quantize.FUSED_TOKEN_MAJOR works around it. Any other version gets a warning on its first CUDA launch (3.7.1:
+# the Triton kernels ran as the Gluon tests' baseline there, not their own tests). The Gluon kernels (fwd_hopper,
+# dq_hopper, dkdv_hopper) have their own list, launch.GLUON_TRITON_VERSIONS: elsewhere the Triton kernels run
+# everywhere.
 GPU_TESTED_TRITON = ("3.6", "3.9")
 
 

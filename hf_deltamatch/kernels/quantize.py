@@ -32,6 +32,12 @@ TAIL_ROWS = 128  # the most rows a kernel's TMA tile reads (a key tile; 64 or 12
 # the GPU tests passed with, the copy is made by _token_major_kernel instead (the GPU tests pass with Triton 3.9
 # then; one more pass over the fp8 tensor, ~0.02 ms per tensor at B=2, H=16, N=8192, D=128).
 FUSED_TOKEN_MAJOR = triton.__version__.startswith("3.6.")
+# The same for quantize_padded's token-major copy (the padded layout: the forward's v8t and the backward's dO8^T
+# on packed batches and ragged N): the Triton versions whose GPU tests passed with it fused. With Triton 3.7.1 at
+# D=64 the Gluon forward's out came out 0.5 off and dV NaN on the H200, exactly the two results that read this copy
+# (benchmarks/results/2026-12-02-h200-triton371/), so there it comes from _token_major_kernel over the padded
+# row-major copy.
+FUSED_PADDED_TOKEN_MAJOR = ".".join(triton.__version__.split(".")[:2]) in ("3.6", "3.9")
 
 
 @triton.jit
@@ -248,7 +254,8 @@ def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_m
     """Quantize a packed batch x (1, H, N, D) per 128-token tile of its sequences straight into segments.py's
     padded layout, where the Gluon kernels read it: the same bytes and scales as quantize(x, 128,
     cu_seqlens=segments.cu) followed by segments.pad (row_major) or token_major(k_order=True, src=segments.src)
-    (token_major), without a second pass over the operand. Returns (y, scale), the packed tensors (the ones the
+    (token_major), without a second pass over the operand (but for the token-major copy with a Triton outside
+    FUSED_PADDED_TOKEN_MAJOR: then token_major() of the padded row-major copy). Returns (y, scale), the packed tensors (the ones the
     backward keeps; (None, None) unless `packed`), and (py, pyt, ps): the padded row-major (1, H, npad, D) or
     None, token-major (a (1, H, npad, D) view of (1, H, D, npad) storage, tokens in k_order) or None, and the
     per-row scales (1, H, npad), 1 in the rows of no token. rotation, means: as quantize's."""
@@ -264,13 +271,18 @@ def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_m
         scale = torch.empty((B, H, N), dtype=torch.float32, device=x.device)
         _fill_outside(y, segments, 0.0)
         _fill_outside(scale, segments, 1.0)
-    py = torch.empty((B, H, npad, D), dtype=dt, device=x.device) if row_major else None
-    pyt = torch.empty((B, H, D, npad), dtype=dt, device=x.device).transpose(-1, -2) if token_major else None
+    fused = token_major and FUSED_PADDED_TOKEN_MAJOR
+    copy = token_major and not fused  # the token-major copy from the padded row-major one
+    py = torch.empty((B, H, npad, D), dtype=dt, device=x.device) if row_major or copy else None
+    pyt = torch.empty((B, H, D, npad), dtype=dt, device=x.device).transpose(-1, -2) if fused else None
     ps = torch.empty((B, H, npad), dtype=torch.float32, device=x.device)
     if npad and B * H:
         _launch(x, (npad // 128, B * H, 1), 128, fmt, rounding, y=y, scale=scale, cu=segments.tiles, varlen=True,
-                tiles=True, k_order=token_major, py=py, pyt=pyt, ps=ps, rotation=rotation, means=means,
+                tiles=True, k_order=fused, py=py, pyt=pyt, ps=ps, rotation=rotation, means=means,
                 seq_cu=segments.cu)
+    if copy:
+        pyt = _copy_tokens(py, True, None, token_major_out=True)  # token_major(py, k_order=True)
+        py = py if row_major else None
     return (y, scale), (py, pyt, ps)
 
 
