@@ -278,8 +278,9 @@ def _fla_resolved() -> bool:
 def test_real_fla_layer_keeps_packed_documents_apart(monkeypatch):
     """The FLA-run Qwen3.5 hybrid as the recipe runs it (fp32 weights, bf16 autocast; FLA refuses fp32): packed ==
     per-document logits once the conv is document-aware, and changing document 1 leaves the others' logits alone.
-    Tolerance 3e-2 on logits of scale ~3: bf16 rounding of GEMMs of other shapes (measured on CPU with the torch
-    rule standing in for FLA: 4e-3; the leak it catches: 0.66)."""
+    Tolerance 6e-2 on logits of scale ~3: bf16 rounding of GEMMs of other shapes (measured on CPU with the torch
+    rule standing in for FLA: 4e-3; on the H200 with FLA up to 0.047 in 2 of 19982 logits, 3 bf16 steps at that
+    scale; the leak it catches: 0.66)."""
     monkeypatch.setattr(modeling_qwen3_5, "causal_conv1d_fn", modeling_qwen3_5.causal_conv1d_fn)
     spec = dict(TINY_MODEL, linear_key_head_dim=64, linear_value_head_dim=64, hidden_size=128)
     config = AutoConfig.for_model(spec.pop("model_type"), vocab_size=97, **spec)
@@ -289,7 +290,7 @@ def test_real_fla_layer_keeps_packed_documents_apart(monkeypatch):
     model = model.cuda().eval()
     docs = _docs([70, 1, 2, 3, 130])
     other = [torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(9)), *docs[1:]]
-    tol = dict(atol=3e-2, rtol=3e-2)
+    tol = dict(atol=6e-2, rtol=3e-2)
     with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
         alone = torch.cat([model(input_ids=d[None].cuda(), use_cache=False).logits[0] for d in docs]).float()
         leaky = _packed_logits(model, docs).float()
@@ -402,9 +403,11 @@ def test_fla_conv_equals_exact_packed_conv_with_gradients(activation):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fla_conv_under_autocast_matches_the_torch_conv_on_gpu():
     """As the recipes run it (bf16 activations, fp32 weights, bf16 autocast): FLA's conv against the torch packed
-    conv, output and gradients within bf16 rounding (rtol 2^-6 on the output: the torch conv rounds to bf16 before
-    its SiLU and after, FLA once; 2e-2 relative on gradients, which the two sum over T in different orders and
-    precisions; in the interpreter at 64 channels: 1 ulp on the output, 0.5 % on the gradients)."""
+    conv, output and gradients within bf16 rounding: each output within 2^-7 of its own size plus 2^-7 of its terms'
+    (sum |w| |x| + |b|: autocast hands the torch conv bf16 weights, FLA keeps them fp32, so where the taps cancel
+    the difference is a share of the terms, not of the output: rtol 2^-6 alone failed 27 of 2.1M outputs on the
+    H200, by up to 0.031); 2e-2 relative on gradients, which the two sum over T in different orders and precisions
+    (in the interpreter at 64 channels: 1 ulp on the output, 0.5 % on the gradients)."""
     fla_conv = _fla_conv_single_config()
     from hf_deltamatch.training import short_conv
 
@@ -417,7 +420,9 @@ def test_fla_conv_under_autocast_matches_the_torch_conv_on_gpu():
         got = short_conv.fla_packed_causal_conv1d(x, w, b, cu, "silu")
         ref = packed_causal_conv1d(x, w, b, cu, "silu")
     assert got.dtype == ref.dtype == torch.bfloat16 and fla_conv is not None
-    torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=2 ** -6)
+    terms = packed_causal_conv1d(x.detach().float().abs(), w.detach().abs(), b.detach().abs(), cu)
+    diff = (got.float() - ref.float()).abs()
+    assert (diff <= 2 ** -7 * (terms + ref.float().abs()) + 1e-3).all(), diff.max()
     g = torch.randn_like(ref)
     for a, r in zip(torch.autograd.grad(got, (x, w, b), g), torch.autograd.grad(ref, (x, w, b), g)):
         assert ((a.float() - r.float()).norm() / r.float().norm()).item() < 2e-2
