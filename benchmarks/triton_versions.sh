@@ -21,7 +21,7 @@
 # TV_PYTEST_TIMEOUT (default 330) for the tests (each process); TV_PYTEST_K replaces the -k expression (default
 # "hopper"; spaces allowed, e.g. "window or (ragged and 129-)"), TV_PYTEST_ARGS the whole selection (split on
 # spaces); TV_PARALLEL (default 4) the test processes, capped at what the free GPU memory holds at
-# TV_GIB_PER_PROCESS (default 20) GiB each;
+# TV_GIB_PER_PROCESS (default 8) GiB each;
 # TV_SHAPES (default n8192c,n8192f,d64,B2-H32-KV32-N8192-D64-full) and TV_OPS (default dm-fp8-matching,sdpa-cudnn)
 # for the benchmark, TV_BENCH=0 to leave it out (two versions' tests at once in one call, their timings apart after);
 # PYTHON (default python3).
@@ -73,10 +73,10 @@ grep -E "^== |operands: " "$OUT/operands.log"
 #    selected test ids dealt round-robin, each process verbose, so that a log names every test that passed before a
 #    time limit stopped it.
 PARALLEL="${TV_PARALLEL:-4}"
-# Test processes peaked at ~18 GiB of GPU memory with whole-batch N = 8192 float64 references (now computed a head
-# at a time; gpu-peak.txt has the peaks since): no more processes than the free memory holds at TV_GIB_PER_PROCESS
-# (default 20), or the extra ones fail with out-of-memory errors, not test failures.
-GIB_PER_PROCESS="${TV_GIB_PER_PROCESS:-20}"
+# Test processes peaked at 3.1-5.0 GiB of GPU memory on the H200 (gpu-peak.txt; the float64 references a head at a
+# time): no more processes than the free memory holds at TV_GIB_PER_PROCESS (default 8), or the extra ones fail
+# with out-of-memory errors, not test failures.
+GIB_PER_PROCESS="${TV_GIB_PER_PROCESS:-8}"
 if command -v nvidia-smi > /dev/null 2>&1; then
     free_mib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits 2>/dev/null | head -n 1)
     if [ -n "$free_mib" ] && [ "$free_mib" -eq "$free_mib" ] 2>/dev/null; then

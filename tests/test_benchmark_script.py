@@ -274,28 +274,33 @@ def test_triton_versions_script_deals_the_tests_to_parallel_processes(tmp_path):
 
 
 def test_triton_versions_script_fits_the_processes_to_free_gpu_memory(tmp_path):
-    """TV_PARALLEL is capped at what the free GPU memory holds at TV_GIB_PER_PROCESS (the tests' processes peak at
-    ~18 GiB each; more of them than fit die of out-of-memory errors): a stand-in nvidia-smi reporting 41000 MiB free
-    leaves 2 of 3 processes at 20 GiB each."""
+    """TV_PARALLEL is capped at what the free GPU memory holds at TV_GIB_PER_PROCESS (the tests' processes peaked at
+    3.1-5.0 GiB each on the H200; more of them than fit die of out-of-memory errors): a stand-in nvidia-smi reporting
+    17000 MiB free leaves 2 of 3 processes at the default 8 GiB each. TV_PYTEST_K reaches pytest as one -k
+    expression, spaces and all."""
     fake = tmp_path / "python"
     fake.write_text(
         "#!/usr/bin/env bash\n"
         'case " $* " in\n'
-        '  *" --collect-only "*) for i in 0 1 2 3 4 5 6; do echo "tests/test_kernels_gpu.py::test_$i"; done ;;\n'
+        '  *" --collect-only "*) printf "%s\\n" "$@" > "$COLLECT"\n'
+        '    for i in 0 1 2 3 4 5 6; do echo "tests/test_kernels_gpu.py::test_$i"; done ;;\n'
         '  *" -m pytest "*) echo "$*" >> "$RUNS" ;;\n'
         "esac\n")
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
-    smi.write_text("#!/usr/bin/env bash\necho 41000\n")
+    smi.write_text("#!/usr/bin/env bash\necho 17000\n")
     for f in (fake, smi):
         f.chmod(0o755)
     env = {**os.environ, "PYTHON": str(fake), "TV_TOTAL": "60", "TV_PARALLEL": "3", "RUNS": str(tmp_path / "runs"),
-           "PATH": f"{smi.parent}:{os.environ['PATH']}"}
+           "PATH": f"{smi.parent}:{os.environ['PATH']}", "COLLECT": str(tmp_path / "collect"),
+           "TV_PYTEST_K": "window or (ragged and 129-)"}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "triton_versions.sh"), str(tmp_path / "out")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "TV_PARALLEL 3 -> 2: 41000 MiB of GPU memory free" in proc.stdout
+    assert "TV_PARALLEL 3 -> 2: 17000 MiB of GPU memory free" in proc.stdout
     assert len((tmp_path / "runs").read_text().splitlines()) == 2
+    args = (tmp_path / "collect").read_text().splitlines()
+    assert args[args.index("-k") + 1] == "window or (ragged and 129-)"
 
 
 def _fake_triton_wheel(path, elf):
