@@ -1,12 +1,12 @@
 """Which kernel strays at test_hopper_ragged[129-64-full]: Gluon dK/dV variants vs the Triton kernels vs the
-reference backend (fp32 products of the same fp8 operands) vs float64."""
-import os
+reference backend (fp32 products of the same fp8 operands) vs float64. From the repository root, on the GPU:
+    python benchmarks/results/2026-12-02-h200-triton371/disagreement.py"""
 import sys
 
 import torch
 
 sys.path.insert(0, "tests")
-from test_kernels_gpu import K, KO, R, _exact, _fwd_bwd_under, _inputs, _rel  # noqa: E402
+from test_kernels_gpu import KO, R, _exact, _fwd_bwd_under, _inputs, _rel  # noqa: E402
 from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
 
 real_cfg = KO._dkdv_hopper_cfg
