@@ -255,10 +255,10 @@ def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_m
     padded layout, where the Gluon kernels read it: the same bytes and scales as quantize(x, 128,
     cu_seqlens=segments.cu) followed by segments.pad (row_major) or token_major(k_order=True, src=segments.src)
     (token_major), without a second pass over the operand (but for the token-major copy with a Triton outside
-    FUSED_PADDED_TOKEN_MAJOR: then token_major() of the padded row-major copy). Returns (y, scale), the packed tensors (the ones the
-    backward keeps; (None, None) unless `packed`), and (py, pyt, ps): the padded row-major (1, H, npad, D) or
-    None, token-major (a (1, H, npad, D) view of (1, H, D, npad) storage, tokens in k_order) or None, and the
-    per-row scales (1, H, npad), 1 in the rows of no token. rotation, means: as quantize's."""
+    FUSED_PADDED_TOKEN_MAJOR: then token_major() of the padded row-major copy). Returns (y, scale), the packed
+    tensors (the ones the backward keeps; (None, None) unless `packed`), and (py, pyt, ps): the padded row-major
+    (1, H, npad, D) or None, token-major (a (1, H, npad, D) view of (1, H, D, npad) storage, tokens in k_order) or
+    None, and the per-row scales (1, H, npad), 1 in the rows of no token. rotation, means: as quantize's."""
     B, H, N, D = x.shape
     dt, npad = FP8_TORCH[fmt], segments.npad
     if segments.tiles.numel() * 64 != npad:
