@@ -71,7 +71,7 @@ def plot_runs(runs: list[dict], out: Path, smooth: float = 0.8, x: str = "tokens
                 base_name = run["name"]
             else:
                 common = [(xx, yy - base[xx]) for xx, yy in zip(xs, ys) if xx in base]
-                if common and ax_d is not None:
+                if common:
                     ax_d.plot([c[0] for c in common], [c[1] for c in common], color=color, lw=1.2,
                               label=f"{run['name']} - {base_name}")
     ax.set_ylabel("cross-entropy (nats)")
