@@ -34,7 +34,16 @@ OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"
-python3 -m zipfile -e "$WHEEL" .
+# extract with each file's recorded mode (`python -m zipfile -e` drops it: ptxas came out not executable)
+python3 - "$WHEEL" <<'PYEOF'
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for info in z.infolist():
+        path = z.extract(info)
+        mode = info.external_attr >> 16 & 0o777
+        if mode and not info.is_dir():
+            os.chmod(path, mode)
+PYEOF
 [ -d triton/backends/nvidia ] || { echo "error: $WHEEL holds no triton/backends/nvidia" >&2; exit 2; }
 BIN=triton/backends/nvidia/bin
 [ -f "$BIN/$KEEP" ] || { echo "error: the wheel has no $BIN/$KEEP (it has: $(ls "$BIN" | tr '\n' ' '))" >&2; exit 2; }

@@ -304,8 +304,8 @@ def test_triton_versions_script_fits_the_processes_to_free_gpu_memory(tmp_path):
 
 
 def _fake_triton_wheel(path, elf):
-    """A wheel laid out like Triton's: the NVIDIA backend's two ptxas, cuobjdump, nvdisasm and CUPTI, an AMD backend,
-    an ELF shared library (a copy of `elf`) and a non-ELF one."""
+    """A wheel laid out like Triton's: the NVIDIA backend's two ptxas, cuobjdump, nvdisasm (executable, as the wheel
+    records them) and CUPTI, an AMD backend, an ELF shared library (a copy of `elf`) and a non-ELF one."""
     import zipfile
 
     with zipfile.ZipFile(path, "w") as z:
@@ -313,7 +313,9 @@ def _fake_triton_wheel(path, elf):
         z.write(elf, "triton/_C/libreal.so")
         z.writestr("triton/_C/libtext.so", "not an ELF file\n")
         for name in ("ptxas", "ptxas-blackwell", "cuobjdump", "nvdisasm"):
-            z.writestr(f"triton/backends/nvidia/bin/{name}", "#!/bin/sh\n")
+            info = zipfile.ZipInfo(f"triton/backends/nvidia/bin/{name}")
+            info.external_attr = 0o100755 << 16
+            z.writestr(info, "#!/bin/sh\n")
         z.writestr("triton/backends/nvidia/lib/cupti/libcupti_static.a", "x" * 1000)
         z.writestr("triton/backends/nvidia/lib/cupti-blackwell/libcupti_static.a", "x" * 1000)
         z.writestr("triton/backends/amd/lib/libtriton_amd_codegen.so", "x" * 1000)
@@ -323,7 +325,8 @@ def _fake_triton_wheel(path, elf):
 
 
 def test_pack_triton_keeps_what_the_gpu_runs_need(tmp_path):
-    """pack_triton.sh: the archive holds the NVIDIA backend with the ptxas asked for, cuobjdump and nvdisasm, and no
+    """pack_triton.sh: the archive holds the NVIDIA backend with the ptxas asked for, cuobjdump and nvdisasm, still
+    executable, and no
     AMD backend (nor its entry point), CUPTI or other ptxas; ELF libraries are stripped and still load, other files
     are left alone; --part-mib splits the archive; a missing --keep-ptxas is refused with the usage."""
     import ctypes
@@ -345,6 +348,8 @@ def test_pack_triton_keeps_what_the_gpu_runs_need(tmp_path):
         names = set(tar.getnames())
         tar.extractall(tmp_path / "site", filter="data")
     assert {f"triton/backends/nvidia/bin/{n}" for n in ("ptxas-blackwell", "cuobjdump", "nvdisasm")} <= names
+    for n in ("ptxas-blackwell", "cuobjdump", "nvdisasm"):
+        assert os.access(tmp_path / "site/triton/backends/nvidia/bin" / n, os.X_OK), n
     assert not any("amd" in n or "cupti" in n or n.endswith("/bin/ptxas") for n in names), names
     site = tmp_path / "site"
     assert "amd" not in (site / "triton-9.9.0.dist-info" / "entry_points.txt").read_text()
