@@ -392,9 +392,9 @@ def test_saved_fp8_zero_outside_sequences(backend):
 
 def test_untested_triton_versions_are_named():
     """Triton versions the GPU tests have not passed with get a warning that says what to run instead."""
-    assert KO._untested_triton("3.6.0") is None and KO._untested_triton("3.9.1") is None
+    assert all(KO._untested_triton(v) is None for v in ("3.6.0", "3.7.1", "3.9.1"))
     assert "3.10.0" in KO._untested_triton("3.10.0")
-    msg = KO._untested_triton("3.7.0")
+    msg = KO._untested_triton("3.7.0")  # 3.7.1 passed; 3.7.0 never ran
     assert "3.7.0" in msg and "pytest -m gpu" in msg and "backend='reference'" in msg
 
 
@@ -513,41 +513,16 @@ def test_gluon_triton_version_gate(monkeypatch):
     assert gluon() == ((False, False, False), [])  # not sm_90: no Gluon kernel, no warning
 
 
-def test_gluon_triton_unpassed_cases(monkeypatch):
-    """A listed Triton takes the Gluon kernels only in the cases its GPU tests passed (launch.GLUON_TRITON_UNPASSED):
-    with 3.7.1, D=64 on the padded layout (a packed batch, or N not a multiple of 128) and MLA's head dims take the
-    Triton kernels, and the dispatch log says why; D=128 and dense D=64 take the Gluon ones; HF_DELTAMATCH_GLUON=1
-    runs them everywhere, to test them again. A release entry ("3.7.1") holds that release only, a minor one ("3.6")
-    every release of it. Capability and device faked: host logic."""
-    import types
-
-    import triton
-
+def test_listed_triton_release_prefixes():
+    """A release entry ("3.7.1") holds that release only, a minor one ("3.6") every release of it: the Triton
+    versions the Gluon kernels (launch.GLUON_TRITON_VERSIONS) and the Triton kernels (ops.GPU_TESTED_TRITON) were
+    GPU-tested with."""
     from hf_deltamatch.kernels import launch
-    monkeypatch.setattr(launch, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.delenv(launch.GLUON_ENV, raising=False)
-    assert [launch._listed_triton(v) for v in ("3.6.0", "3.6.1+git1234", "3.60.0", "3.7.0", "3.7.1", "3.7.10",
-                                               "3.9.0", "3.8.0")] == ["3.6", "3.6", None, None, "3.7.1", None,
-                                                                      "3.9", None]
 
-    def why(d, n=1024, varlen=False, dv=None):
-        dv = dv or d
-        return launch._hopper_why_not(fp8=True, e4m3=True, dqk=d, dv=dv, block=128, varlen=varlen, window=None, n=n,
-                                      m=n, device=types.SimpleNamespace(type="cuda"), lse2_in=True, p_shift=8,
-                                      packed=varlen, causal=True, wide=dv != d)
-
-    monkeypatch.setattr(triton, "__version__", "3.7.1")
-    assert why(128) is None and why(128, n=1000) is None and why(128, varlen=True) is None and why(64) is None
-    for got in (why(64, n=1000), why(64, varlen=True)):
-        assert got and "3.7.1" in got and "D=64" in got and "HF_DELTAMATCH_GLUON=1" in got, got
-    assert "MLA" in why(192, dv=128)
-    for version in ("3.6.0", "3.9.0"):  # the other listed versions passed all of them
-        monkeypatch.setattr(triton, "__version__", version)
-        assert why(64, n=1000) is None and why(64, varlen=True) is None and why(192, dv=128) is None
-    monkeypatch.setattr(triton, "__version__", "3.7.1")
-    monkeypatch.setenv(launch.GLUON_ENV, "1")
-    assert why(64, n=1000) is None and why(64, varlen=True) is None and why(192, dv=128) is None
+    assert [launch.listed_triton(v) for v in ("3.6.0", "3.6.1+git1234", "3.60.0", "3.7.0", "3.7.1", "3.7.10",
+                                              "3.9.0", "3.8.0")] == ["3.6", "3.6", None, None, "3.7.1", None,
+                                                                     "3.9", None]
+    assert launch.listed_triton("3.9.0", ("3.6",)) is None and launch.listed_triton("3.6.2", ("3.6",)) == "3.6"
 
 
 def test_gluon_case_and_why_not(monkeypatch):

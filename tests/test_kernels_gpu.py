@@ -452,7 +452,7 @@ def test_hopper_packed(cu, D, tune):
     Sequences of 1, 64 and 128 tokens, an empty one, and (second case) tokens after the last sequence, whose
     outputs stay 0 (LSE -inf); GQA and MHA; D=128 and D=64 (where packed batches take the Gluon forward and dQ
     kernels that dense ones do not), and with the other choice of two or three warpgroups for dK/dV (`tune`)."""
-    skip_unless_gluon_triton(D, padded=True)
+    skip_unless_gluon_triton()
     N = 4096
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
     end = cu[-1]
@@ -597,7 +597,7 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
         gradients at N = 2048), the same for both kernels, so the Gluon kernels' errors must stay within 5 % + 1e-3
         of the Triton kernels' (the two differ by < 1e-3, checked above; a masking fault adds tens of percent), and
         under that test's 5e-2 / 1e-1 doubled."""
-    skip_unless_gluon_triton(D, padded=True)
+    skip_unless_gluon_triton()
     calls = _gluon_launches(monkeypatch)
     npad = -(-N // 128) * 128
     for Hq, Hkv in ((4, 2), (4, 4)):
@@ -702,7 +702,7 @@ def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
       - against exact float64 attention: the Gluon path's out and gradients within 5 % + 1e-3 of the Triton path's
         errors (the FP8 quantization dominates both, and is the same), and against the reference backend (_compare)
         within FP8_TOL, 2e-2 at N = 8192 (the QGMMA accumulation over N queries: test_hopper_ragged)."""
-    skip_unless_gluon_triton(dims[0])
+    skip_unless_gluon_triton()
     Dqk, Dv = dims
     calls = _gluon_launches(monkeypatch)
     B = 2 if N <= 2048 else 1
@@ -868,7 +868,7 @@ def test_hopper_window(N, D, window, monkeypatch):
         (test_hopper_ragged's bounds);
       - the switch on through _compare (the kernels' own saved tensors and the reference's) against the reference
         backend, 2e-2 (test_hopper_ragged's bound at N > 4096: QGMMA's accumulation over N queries)."""
-    skip_unless_gluon_triton(D, padded=N % 128 != 0)
+    skip_unless_gluon_triton()
     windows = []
     calls = _gluon_launches(monkeypatch, windows)
     mask = _window_mask(N, window)
@@ -902,7 +902,7 @@ def test_hopper_window_packed(D, window, monkeypatch):
     sequences of 1000, 1 (each window restarts at its sequence's start), 1999 and 1096 tokens, GQA and MHA, D 128 and
     64: _gluon_vs_triton_window and _check_gluon_vs_triton (exact attention with the window's mask inside each
     sequence), then the switch on through _compare against the reference backend."""
-    skip_unless_gluon_triton(D, padded=True)
+    skip_unless_gluon_triton()
     windows = []
     calls = _gluon_launches(monkeypatch, windows)
     N, cu = 4096, [0, 1000, 1001, 3000, 4096]

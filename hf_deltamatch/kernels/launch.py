@@ -218,28 +218,19 @@ def _sm90_ptxas_major() -> int:
 
 
 # The Triton versions with which the Gluon kernels passed their GPU tests (tests/test_kernels_gpu.py on the H200,
-# benchmarks/triton_versions.sh; benchmarks/results/2026-12-02-h200-triton371/ has the runs), as release prefixes:
-# "3.6" is any 3.6.x, "3.7.1" that release only (3.7.0, torch 2.12's, was never run: FLA refuses it on Hopper). With
-# any other Triton the Triton kernels run instead (_gluon_triton_ok), unless HF_DELTAMATCH_GLUON=1.
+# benchmarks/triton_versions.sh; benchmarks/results/2026-12-03-h200-triton371-pass/ has 3.7.1's run), as release
+# prefixes: "3.6" is any 3.6.x, "3.7.1" that release only (3.7.0, torch 2.12's, was never run: FLA refuses it on
+# Hopper). With any other Triton the Triton kernels run instead (_gluon_triton_ok), unless HF_DELTAMATCH_GLUON=1.
 GLUON_TRITON_VERSIONS = ("3.6", "3.7.1", "3.9")
-# The cases a listed version has not passed, which take the Triton kernels with it (HF_DELTAMATCH_GLUON=1 runs the
-# Gluon kernels there anyway, to test them again): {version: {case: why}}, the cases _version_why_not knows.
-# 3.7.1 at D=64 on the padded layout: the forward's out 0.5 off and dV NaN, the two results that read
-# quantize_padded's token-major copy, which is no longer fused with 3.7 (quantize.FUSED_PADDED_TOKEN_MAJOR); MLA: its
-# GPU test stopped in the float64 reference before comparing anything.
-GLUON_TRITON_UNPASSED = {
-    "3.7.1": {"d64-padded": "D=64 with packed batches or N not a multiple of 128 failed its GPU tests",
-              "mla": "MLA's head dims are not yet GPU-tested"},
-}
 GLUON_ENV = "HF_DELTAMATCH_GLUON"
 _warned_gluon_version = False
 
 
-def _listed_triton(version: str) -> str | None:
-    """The entry of GLUON_TRITON_VERSIONS that Triton `version` belongs to ("3.6" holds 3.6.0 and 3.6.1+git...,
-    not 3.60.0), or None."""
+def listed_triton(version: str, listed=GLUON_TRITON_VERSIONS) -> str | None:
+    """The entry of `listed` (release prefixes) that Triton `version` belongs to ("3.6" holds 3.6.0 and
+    3.6.1+git..., not 3.60.0; "3.7.1" holds 3.7.1 only), or None."""
     parts = version.split("+")[0].split(".")
-    return next((v for v in GLUON_TRITON_VERSIONS if parts[:len(v.split("."))] == v.split(".")), None)
+    return next((v for v in listed if parts[:len(v.split("."))] == v.split(".")), None)
 
 
 def _tested_text() -> str:
@@ -259,7 +250,7 @@ def _gluon_triton_ok(warn: bool = True) -> bool:
         raise ValueError(f"{GLUON_ENV}={want!r}: use 1 (the Gluon kernels on any Triton version) or 0 (never)")
     if want:
         return want == "1"
-    if _listed_triton(triton.__version__):
+    if listed_triton(triton.__version__):
         return True
     if warn and not _warned_gluon_version:
         _warned_gluon_version = True
@@ -268,21 +259,6 @@ def _gluon_triton_ok(warn: bool = True) -> bool:
                       f"for the fast path, or set {GLUON_ENV}=1 to run the Gluon kernels on this version anyway.",
                       RuntimeWarning, stacklevel=3)
     return False
-
-
-def _version_why_not(*, dqk: int, padded: bool) -> str | None:
-    """Why the installed (listed) Triton does not take the case, from GLUON_TRITON_UNPASSED, or None: "d64-padded"
-    (Dqk = 64 on the padded layout: a packed batch, or N not a multiple of 128), "mla" (Dqk = 192). None under
-    HF_DELTAMATCH_GLUON=1."""
-    import triton
-    if os.environ.get(GLUON_ENV) == "1":
-        return None
-    version = _listed_triton(triton.__version__)
-    unpassed = GLUON_TRITON_UNPASSED.get(version, {})
-    for case, hit in (("d64-padded", dqk == 64 and padded), ("mla", dqk == 192)):
-        if hit and case in unpassed:
-            return f"Triton {version}: {unpassed[case]} ({GLUON_ENV}=1 overrides)"
-    return None
 
 
 def _hopper_case(**case) -> bool:
@@ -298,7 +274,7 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     is None under the full mask, which ignores it), and N = M a multiple of 128, or N = M otherwise (HOPPER_RAGGED or
     TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen,
     causal, cu_seqlens_q = cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested
-    Triton (_gluon_triton_ok) that has passed this case (_version_why_not), the dQ kernel's LSE2 with P * 256. The
+    Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The
     Triton version is asked last: its warning comes only for inputs the Gluon kernels would otherwise take. wide:
     the forward's case, which also takes the head dims of FWD_HOPPER_WIDE_DIMS where _wide_why_not allows."""
     if INTERPRET:
@@ -339,7 +315,7 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     if not _gluon_triton_ok():
         import triton
         return f"Triton {triton.__version__} (tested: {_tested_text()}; {GLUON_ENV}=1 overrides)"
-    return _version_why_not(dqk=dqk, padded=varlen or n % 128 != 0)
+    return None
 
 
 # The head dims (Dqk, Dv) beyond 64 and 128 at which the Gluon forward (fwd_hopper.py) runs, on dense batches of

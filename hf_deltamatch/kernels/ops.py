@@ -26,7 +26,7 @@ from .launch import (
     _asm_scales, _bwd_launch_cfg, _check_tune, _fwd_launch_cfg, _maxnreg, _scale_after_sum,
     _dkdv_block_n, _dkdv_ds_scales, _dkdv_hopper, _dkdv_lse2, _dkdv_p_shift, _dkdv_parts,
     DQ_HOPPER_WARPGROUPS, _dkdv_hopper_cfg, _dq_hopper, _dq_hopper_cfg, _fwd_case, _fwd_hopper, _fwd_hopper_cfg,
-    _grid, _hopper_why_not, _use_tma, log, log_dispatch,
+    _grid, _hopper_why_not, _use_tma, listed_triton, log, log_dispatch,
 )
 from .quantize import TAIL_ROWS, _fill_outside, quantize, quantize_padded, token_major
 from .._tensor_cache import TensorCache
@@ -36,19 +36,19 @@ __all__ = ["backward", "forward", "supports"]
 
 DS_TILE_Q = 64  # query rows per dS quantization tile (hf_deltamatch.reference.DS_TILE_Q)
 
-# Triton versions tests/test_kernels_gpu.py passed with on the H200. Triton 3.9 computes wrong fp8 forward outputs
-# unless quantize.FUSED_TOKEN_MAJOR works around it. Any other version gets a warning on its first CUDA launch (3.7.1:
-# the Triton kernels ran as the Gluon tests' baseline there, not their own tests). The Gluon kernels (fwd_hopper,
+# Triton versions tests/test_kernels_gpu.py passed with on the H200, as release prefixes (launch.listed_triton:
+# "3.7.1" is that release only). Triton 3.9 computes wrong fp8 forward outputs unless quantize.FUSED_TOKEN_MAJOR
+# works around it. Any other version gets a warning on its first CUDA launch. The Gluon kernels (fwd_hopper,
 # dq_hopper, dkdv_hopper) have their own list, launch.GLUON_TRITON_VERSIONS: elsewhere the Triton kernels run
 # everywhere.
-GPU_TESTED_TRITON = ("3.6", "3.9")
+GPU_TESTED_TRITON = ("3.6", "3.7.1", "3.9")
 
 
 def _untested_triton(version: str) -> str | None:
     """None for a Triton version the GPU tests passed with, else the warning's text."""
-    if ".".join(version.split(".")[:2]) in GPU_TESTED_TRITON:
+    if listed_triton(version, GPU_TESTED_TRITON):
         return None
-    return (f"hf_deltamatch's Triton kernels passed their GPU tests with Triton {' and '.join(GPU_TESTED_TRITON)}, "
+    return (f"hf_deltamatch's Triton kernels passed their GPU tests with Triton {', '.join(GPU_TESTED_TRITON)}, "
             f"not yet with {version} (Triton 3.9 once compiled one of them wrongly): run "
             "`pytest -m gpu tests/test_kernels_gpu.py` on this GPU before training, or use backend='reference'.")
 

@@ -33,10 +33,10 @@ TAIL_ROWS = 128  # the most rows a kernel's TMA tile reads (a key tile; 64 or 12
 # then; one more pass over the fp8 tensor, ~0.02 ms per tensor at B=2, H=16, N=8192, D=128).
 FUSED_TOKEN_MAJOR = triton.__version__.startswith("3.6.")
 # The same for quantize_padded's token-major copy (the padded layout: the forward's v8t and the backward's dO8^T
-# on packed batches and ragged N): the Triton versions whose GPU tests passed with it fused. With Triton 3.7.1 at
-# D=64 the Gluon forward's out came out 0.5 off and dV NaN on the H200, exactly the two results that read this copy
-# (benchmarks/results/2026-12-02-h200-triton371/), so there it comes from _token_major_kernel over the padded
-# row-major copy.
+# on packed batches and ragged N): fused only with the Triton versions whose GPU tests passed with it fused. With
+# Triton 3.7.1 at D=64 the fused copy gave the Gluon forward's out 0.5 off and dV NaN on the H200 (exactly the two
+# results that read it: benchmarks/results/2026-12-02-h200-triton371/), so there it comes from _token_major_kernel
+# over the padded row-major copy, with which every GPU test passed (benchmarks/results/2026-12-03-h200-triton371-pass/).
 FUSED_PADDED_TOKEN_MAJOR = ".".join(triton.__version__.split(".")[:2]) in ("3.6", "3.9")
 
 
