@@ -207,9 +207,11 @@ def test_packed_hybrid_equals_per_document_only_with_the_conv_made_document_awar
     assert (leaky[9:] - alone[9:]).abs().max() > 1e-3  # the whole-row conv mixes documents (the bug)
     assert keep_short_conv_documents_apart(model, force=True) == 1
     assert getattr(module.causal_conv1d_fn, "_hf_dm_documents", False)
-    torch.testing.assert_close(_packed_logits(model, docs), alone, atol=2e-5, rtol=1e-4)
+    # fp32 through the layers in other matmul shapes (one 40-token row vs five documents): 4e-5 apart on an AMD EPYC
+    # for qwen3_next (logits up to 5.9), 7e-7 for qwen3_5; the leak this catches is 0.35-9
+    torch.testing.assert_close(_packed_logits(model, docs), alone, atol=1e-4, rtol=1e-4)
     # transformers versions that forward no boundaries to the layer: the backbone pre-hook supplies them
-    torch.testing.assert_close(_packed_logits(model, docs, position_ids_only=True), alone, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(_packed_logits(model, docs, position_ids_only=True), alone, atol=1e-4, rtol=1e-4)
     assert keep_short_conv_documents_apart(model, force=True) == 0  # already covered
 
 
