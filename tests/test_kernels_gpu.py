@@ -895,6 +895,25 @@ def test_hopper_window(N, D, window, monkeypatch):
     assert windows == [window] * len(calls), windows
 
 
+@pytest.mark.parametrize("window", [128, 4096])
+@pytest.mark.parametrize("N", [8192, 8000])
+def test_hopper_window_backward_after_triton_forward(N, window, monkeypatch):
+    """The Triton forward with the Gluon backward on a causal window (TUNE hopper_window on, fwd_hopper off: the
+    pairing docs/kernels.md proposes for large windows, whose Gluon forward is the slower one): only dq_hopper and
+    dkdv_hopper launch, each given the window, and the result agrees with the reference backend as the all-Gluon
+    path does (test_hopper_window's bound), D=128, GQA 4/2, N = 8192 and the padded variant's N = 8000."""
+    skip_unless_gluon_triton()
+    windows = []
+    calls = _gluon_launches(monkeypatch, windows)
+    K.TUNE.update(hopper_window=True, fwd_hopper=False)
+    try:
+        _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=128, window=window, tol=2e-2)
+    finally:
+        K.TUNE.clear()
+    assert "fwd_hopper" not in [c for c, _ in calls] and {"dq_hopper", "dkdv_hopper"} <= {c for c, _ in calls}, calls
+    assert windows == [window] * len(calls), windows
+
+
 @pytest.mark.parametrize("window", [128, 300])
 @pytest.mark.parametrize("D", [128, 64])
 def test_hopper_window_packed(D, window, monkeypatch):
