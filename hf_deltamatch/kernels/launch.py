@@ -274,9 +274,9 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     is None under the full mask, which ignores it), and N = M a multiple of 128, or N = M otherwise (HOPPER_RAGGED or
     TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen,
     causal, cu_seqlens_q = cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested
-    Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The
-    Triton version is asked last: its warning comes only for inputs the Gluon kernels would otherwise take. wide:
-    the forward's case, which also takes the head dims of FWD_HOPPER_WIDE_DIMS where _wide_why_not allows."""
+    Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes
+    only for inputs the Gluon kernels would otherwise take. wide: the forward's case, which also takes the head dims
+    of FWD_HOPPER_WIDE_DIMS where _wide_why_not allows."""
     if INTERPRET:
         return "TRITON_INTERPRET=1 (Gluon has no interpreter)"
     if not fp8:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._fp8 import FP8_MAX, INTERPRET, tile_scale, to_fp8
-from .launch import _quantize_rotate_cfg
+from .launch import _quantize_rotate_cfg, listed_triton
 from .transform import load_rotation, transform_rows
 
 FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -31,13 +31,13 @@ TAIL_ROWS = 128  # the most rows a kernel's TMA tile reads (a key tile; 64 or 12
 # the row-major store, varlen batches and _token_major_kernel were right), so with any Triton but the 3.6 that
 # the GPU tests passed with, the copy is made by _token_major_kernel instead (the GPU tests pass with Triton 3.9
 # then; one more pass over the fp8 tensor, ~0.02 ms per tensor at B=2, H=16, N=8192, D=128).
-FUSED_TOKEN_MAJOR = triton.__version__.startswith("3.6.")
+FUSED_TOKEN_MAJOR = listed_triton(triton.__version__, ("3.6",)) is not None
 # The same for quantize_padded's token-major copy (the padded layout: the forward's v8t and the backward's dO8^T
 # on packed batches and ragged N): fused only with the Triton versions whose GPU tests passed with it fused. With
 # Triton 3.7.1 at D=64 the fused copy gave the Gluon forward's out 0.5 off and dV NaN on the H200 (exactly the two
 # results that read it: benchmarks/results/2026-12-02-h200-triton371/), so there it comes from _token_major_kernel
 # over the padded row-major copy, with which every GPU test passed (benchmarks/results/2026-12-03-h200-triton371-pass/).
-FUSED_PADDED_TOKEN_MAJOR = ".".join(triton.__version__.split(".")[:2]) in ("3.6", "3.9")
+FUSED_PADDED_TOKEN_MAJOR = listed_triton(triton.__version__, ("3.6", "3.9")) is not None
 
 
 @triton.jit
