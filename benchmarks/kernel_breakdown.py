@@ -36,6 +36,8 @@ SHAPES = {
     "d64-full": (2, 32, 32, 8192, 64, False),
     "gqa-causal": (2, 16, 4, 8192, 128, True),
     "d256-causal": (2, 8, 8, 8192, 256, True),
+    # MLA (DeepSeek-V3, Kimi Linear): Dqk = 192, Dv = 128, given as (Dqk, Dv)
+    "mla-causal": (2, 16, 16, 8192, (192, 128), True),
     # N not a multiple of 128 (issue #32): the Gluon kernels' padded path (launch.HOPPER_RAGGED; the Triton kernels
     # with --variants "{'hopper_ragged': False}")
     "ragged-d128": (2, 16, 16, 8000, 128, True),
@@ -48,8 +50,16 @@ SHAPES = {
     # window presets of attention.py time Flex), e.g. --variant-shapes window128-d128 --variants
     # "{};{'hopper_window': True}": which kernel the small window's time goes to
     "window128-d128": (2, 16, 16, 8192, 128, True, 128),
+    "window512-d128": (2, 16, 16, 8192, 128, True, 512),
+    "window1024-d128": (2, 16, 16, 8192, 128, True, 1024),
+    "window2048-d128": (2, 16, 16, 8192, 128, True, 2048),
     "window4096-d128": (2, 16, 16, 8192, 128, True, 4096),
 }
+
+
+def head_dims(D):
+    """(Dqk, Dv) of a shape's head dim field: one int, or MLA's pair."""
+    return tuple(D) if isinstance(D, tuple) else (D, D)
 
 
 def shape_of(name):
@@ -76,14 +86,16 @@ def _cu(name, N):
 
 
 def flops(B, H, N, D, causal, cu=None, window=None):
-    """Attention FLOPs of the forward; a packed batch's are its documents' sum; a causal window of W keys shows
-    W*N - W*(W-1)/2 query-key pairs (benchmarks/attention.py's count)."""
+    """Attention FLOPs of the forward (2 per multiply-add of QK^T over Dqk and PV over Dv); a packed batch's are its
+    documents' sum; a causal window of W keys shows W*N - W*(W-1)/2 query-key pairs (benchmarks/attention.py's
+    count)."""
     if cu is not None:
         return sum(flops(B, H, int(n), D, causal) for n in (cu[1:] - cu[:-1]).tolist())
+    dsum = sum(head_dims(D))
     if window is not None:
         w = min(window, N)
-        return 4 * B * H * D * (w * N - w * (w - 1) / 2)
-    f = 4 * B * H * N * N * D
+        return 2 * B * H * dsum * (w * N - w * (w - 1) / 2)
+    f = 2 * B * H * N * N * dsum
     return f / 2 if causal else f
 
 
@@ -112,10 +124,13 @@ def profile_once(name):
     """One warm fwd+bwd of SHAPES[name] (fp8, matching) between cudaProfilerStart and Stop, for
     `ncu --profile-from-start off` (benchmarks/ncu_profile.sh)."""
     B, Hq, Hkv, N, D, causal, window = shape_of(name)
-    q, do = (torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dqk, dv = head_dims(D)
+    q = torch.randn(B, Hq, N, dqk, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(B, Hq, N, dv, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, N, dqk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, N, dv, device="cuda", dtype=torch.bfloat16)
     cu = _cu(name, N)
-    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu,
+    kw = dict(causal=causal, softmax_scale=dqk ** -0.5, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu,
               config=DeltaMatchConfig())
 
     def step():
@@ -132,12 +147,13 @@ def profile_once(name):
 
 def run_shape(name, B, Hq, Hkv, N, D, causal, window=None, precision="fp8", delta="matching", fwd_only=False):
     cfg = DeltaMatchConfig(precision=precision, delta=delta)
-    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16)
-    do = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    dqk, dv = head_dims(D)
+    q = torch.randn(B, Hq, N, dqk, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, Hkv, N, dqk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, N, dv, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(B, Hq, N, dv, device="cuda", dtype=torch.bfloat16)
     cu = _cu(name, N)
-    kw = dict(causal=causal, softmax_scale=D ** -0.5, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu, config=cfg)
+    kw = dict(causal=causal, softmax_scale=dqk ** -0.5, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu, config=cfg)
     f = K.forward(q, k, v, **kw)
     fwd = lambda: K.forward(q, k, v, **kw)  # noqa: E731
     bwd = lambda: K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)  # noqa: E731
@@ -168,10 +184,11 @@ def varlen_flash(Hq, Hkv, N, D, cu):
 
 def sdpa(B, Hq, Hkv, N, D, causal, backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    q = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    do = torch.randn(B, Hq, N, D, device="cuda", dtype=torch.bfloat16)
+    dqk, dv = head_dims(D)
+    q = torch.randn(B, Hq, N, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(B, Hkv, N, dqk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, Hkv, N, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    do = torch.randn(B, Hq, N, dv, device="cuda", dtype=torch.bfloat16)
     be = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
     gqa = Hq != Hkv
     with sdpa_kernel(be):
