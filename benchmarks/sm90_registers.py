@@ -118,9 +118,10 @@ def gluon_signature(fn, constexprs, d, dqk=None):
     n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
     qb = m if fn.__name__ == "_fwd_hopper_kernel" else 2 * m  # q's box per load: a warpgroup's rows, or dQ's program
     kb = n if constexprs.get("WGS", 2) == 2 else 64  # the dK/dV kernel's k and v boxes per load
+    dv = constexprs.get("HEAD_DV", d)  # the dK/dV kernel's Dv (its HEAD_D: Dqk's box)
     boxes = {  # per kernel: descriptor -> box
-        "_bwd_dkdv_hopper_kernel": {"k_desc": (kb, d), "v_desc": (kb, d), "q_desc": (m, d), "do_desc": (m, d),
-                                    "qt_desc": (d, m), "dot_desc": (d, m)},
+        "_bwd_dkdv_hopper_kernel": {"k_desc": (kb, d), "v_desc": (kb, dv), "q_desc": (m, d), "do_desc": (m, dv),
+                                    "qt_desc": (d, m), "dot_desc": (dv, m)},
         "_bwd_dq_hopper_kernel": {"q_desc": (qb, d), "do_desc": (qb, d), "k_desc": (n, d), "v_desc": (n, d),
                                   "kt_desc": (d, n)},
         "_fwd_hopper_kernel": {"q_desc": (qb, dqk), "k_desc": (n, dqk), "vt_desc": (d, n)},
@@ -463,7 +464,7 @@ def main():
     p.add_argument("--kernels", default="fwd,dq,dkdv")
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--dv", type=int, help="V's head dim where it is not --d (MLA: --d 192 --dv 128); the Gluon "
-                                          "forward (hopper_fwd) only")
+                                          "forward and dK/dV kernels (hopper_fwd, hopper) only")
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--full", action="store_true", help="the full mask instead of causal")
@@ -478,6 +479,8 @@ def main():
     p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
     p.add_argument("--operands", action="store_true",
                    help="the Gluon dK/dV kernel (hopper): check its MMAs' operands tile by tile (check_dkdv_operands)")
+    p.add_argument("--part", type=int, choices=(0, 1, 2), help="the Gluon dK/dV kernel's PART (0 both, 1 dV alone, 2 "
+                   "dK alone); default: launch's last (2 above D = 128)")
     p.add_argument("--dkdv-pipe", choices=("on", "fresh", "off"),
                    help="the Gluon dK/dV kernel's pipelined dK MMA (dkdv_hopper.pipe_mode 1), with a fresh dP^T "
                         "accumulator (2), or off, whatever launch.py would choose")
@@ -532,11 +535,16 @@ def main():
             from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel, pipe_mode
             if args.dkdv_pipe:  # launch refuses the pipelined MMA under some ptxas: decide it here instead
                 K.TUNE["dkdv_hopper_pipe"] = False
-            cfg = KL._dkdv_hopper_cfg(args.d, causal=causal, groups=args.groups, packed=args.varlen,
+            dv = args.dv or args.d
+            cfg = KL._dkdv_hopper_cfg(max(args.d, dv), causal=causal, groups=args.groups, packed=args.varlen,
                                       window=args.window)
             if args.dkdv_pipe:
                 cfg["pipe"], cfg["fresh_dp"] = args.dkdv_pipe != "off", args.dkdv_pipe == "fresh"
-            jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal,
+            # dV alone (PART 1) and dK alone (2) above D = 128: --part picks one, else the heavier (dK)
+            jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=1 << (args.d - 1).bit_length(),
+                                                            HEAD_DV=dv, DQK=args.d,
+                                                            PART=args.part if args.part is not None
+                                                            else cfg["parts"][-1], CAUSAL=causal,
                                                             STAGES=cfg["stages"],
                                                             VARLEN=args.varlen, WGS=cfg["warpgroups"],
                                                             REGS=cfg["regs"],

@@ -623,12 +623,12 @@ def test_gluon_forward_wide_dims_dispatch(monkeypatch):
                                    (dict(fp8=False), "bf16"), (dict(device=types.SimpleNamespace(type="cpu")), "cpu")):
                 got = why(dqk, dv, **change)
                 assert got is not None and phrase in got and not on(dqk, dv, **change), (change, got)
-            # the backward's case has no `wide`: its Gluon kernels never take these head dims, even when asked
-            K.TUNE.update(dq_hopper=True, dkdv_hopper=True)
+            # the Gluon dQ kernel never takes these head dims, even when asked (the dK/dV kernel does:
+            # test_gluon_dkdv_wide_dims_dispatch)
+            K.TUNE.update(dq_hopper=True)
             assert f"Dqk={dqk}, Dv={dv}" in KL._hopper_why_not(**{**bwd, "dqk": dqk, "dv": dv})
-            assert not KL._dkdv_hopper(dv, **{**bwd, "dqk": dqk, "dv": dv})
             assert not KL._dq_hopper(dv, stale=False, **{**bwd, "dqk": dqk, "dv": dv})
-            del K.TUNE["dq_hopper"], K.TUNE["dkdv_hopper"]
+            del K.TUNE["dq_hopper"]
         for dqk, dv in ((256, 128), (192, 192), (128, 256), (96, 96)):  # no other head dims
             assert not on(dqk, dv) and "Dqk = Dv in 64, 128 only" in why(dqk, dv)
         K.TUNE["fwd_hopper"] = False  # the forward's own switch still turns it off
@@ -645,6 +645,66 @@ def test_gluon_forward_wide_dims_dispatch(monkeypatch):
     assert KL._fwd_hopper_cfg(128) == KL._fwd_hopper_cfg(64) == dict(
         stages=KL.FWD_HOPPER_STAGES, regs=KL.FWD_HOPPER_REGS, warpgroups=fwd_hopper.WARPGROUPS)
 
+
+
+def test_gluon_dkdv_wide_dims_dispatch(monkeypatch):
+    """The Gluon dK/dV kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DKDV_HOPPER_WIDE_DIMS, HOPPER_DKDV_WIDE):
+    on by default after the Triton dQ kernel, on dense batches of N = M a multiple of 128 (causal or full, GQA or not);
+    TUNE["hopper_dkdv_wide"] = False or TUNE["dkdv_hopper"] = False turns it off, the first with the dispatch log's
+    reason; varlen, windows, ragged N decline with theirs. Its launch config: two warpgroups of 240 registers, dV and
+    dK in two launches (parts (1, 2)), never the pipelined dK MMA (one launch only), even under a CUDA 12 ptxas; and
+    the dQ kernel writes what it reads, LSE2 with P * 256 and the dS tile scales. Host logic with the capability and
+    Triton version faked (tests/test_kernels_gpu.py::test_dkdv_hopper_wide runs the kernel)."""
+    import types
+
+    import triton
+
+    monkeypatch.setattr(KL, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
+    monkeypatch.setattr(KL, "_sm90_ptxas_major", lambda: 12)
+    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+    dev = types.SimpleNamespace(type="cuda")
+    case = dict(fp8=True, e4m3=True, block=128, varlen=False, window=None, n=8192, m=8192, device=dev, causal=True,
+                lse2_in=True, p_shift=8)
+
+    def on(dqk, dv, **change):
+        return KL._dkdv_hopper(max(dqk, dv), **{**case, "dqk": dqk, "dv": dv, **change})
+
+    def why(dqk, dv, **change):
+        return KL._hopper_why_not(**{**case, "dqk": dqk, "dv": dv, **change}, wide="dkdv")
+
+    assert KL.HOPPER_DKDV_WIDE
+    try:
+        for dqk, dv in KL.DKDV_HOPPER_WIDE_DIMS:
+            d = max(dqk, dv)
+            assert KL._dkdv_lse2(d) and KL._dkdv_p_shift(d, True) == 8  # what the Gluon kernel reads
+            assert not KL._dq_hopper(d, stale=False, **{**case, "dqk": dqk, "dv": dv})  # dQ: the Triton kernel
+            for causal in (True, False):
+                for n in (128, 8192):
+                    assert on(dqk, dv, causal=causal, n=n, m=n) and why(dqk, dv, causal=causal, n=n, m=n) is None
+            for change, phrase in ((dict(varlen=True, packed=True), "varlen"), (dict(window=512), "window"),
+                                   (dict(n=8000, m=8000), "multiple of 128"), (dict(fp8=False), "bf16")):
+                got = why(dqk, dv, **change)
+                assert got is not None and phrase in got and not on(dqk, dv, **change), (change, got)
+            for groups in (1, 4):
+                cfg = KL._dkdv_hopper_cfg(d, causal=True, groups=groups, packed=False)
+                assert (cfg["warpgroups"], cfg["regs"], cfg["parts"], cfg["pipe"]) == (2, 240, (1, 2), False), cfg
+            K.TUNE["hopper_dkdv_wide"] = False
+            assert not on(dqk, dv) and "HOPPER_DKDV_WIDE" in why(dqk, dv)
+            K.TUNE["hopper_dkdv_wide"] = True
+            K.TUNE["dkdv_hopper"] = False
+            assert not on(dqk, dv)
+            K.TUNE.clear()
+            with pytest.raises(ValueError, match="one launch"):
+                K.TUNE["dkdv_hopper_pipe"] = True
+                KL._dkdv_hopper_cfg(d, causal=True, groups=1, packed=False)
+            K.TUNE.clear()
+        assert KL._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)["parts"] == (0,)
+        for dqk, dv in ((256, 128), (192, 192), (96, 96)):  # no other head dims
+            assert not on(dqk, dv) and "Dqk = Dv in 64, 128 only" in why(dqk, dv)
+    finally:
+        K.TUNE.clear()
 
 def test_dispatch_log_once_per_case(monkeypatch, caplog):
     """The dispatch log (issue #32): kernels.forward and kernels.backward say at DEBUG, on the "hf_deltamatch"

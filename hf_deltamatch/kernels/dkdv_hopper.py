@@ -50,17 +50,33 @@ from ._gluon import (
 
 @gluon.jit
 def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem,
-            qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, q_row0, t_row0, lo, n_q,
-            N, GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, WGS: gl.constexpr):
+            qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, q_row0, qt_row0, dot_row0,
+            lo, n_q, N, GROUPS: gl.constexpr, DQK: gl.constexpr, HEAD_DV: gl.constexpr, STAGES: gl.constexpr,
+            WGS: gl.constexpr, PART: gl.constexpr):
+    """PART 1 (dV alone) loads k8, q8, dO8^T and LSE2; PART 2 (dK alone) all but dO8^T; 0 everything. qt_row0,
+    dot_row0: the group's first head's rows in the token-major views of q8 (DQK rows per head) and dO8 (HEAD_DV)."""
     if WGS == 2:
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+        if PART == 1:
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [kv_row, 0], kv_bar, k_smem)
-        tma_load(v_desc, [kv_row, 0], kv_bar, v_smem)
+        if PART != 1:
+            tma_load(v_desc, [kv_row, 0], kv_bar, v_smem)
     else:  # a TMA box's rows are a power of two: one box per warpgroup
         mbarrier.expect(kv_bar, 2 * WGS * k_desc.block_type.nbytes)
         for w in gl.static_range(WGS):
             tma_load(k_desc, [kv_row + w * 64, 0], kv_bar, k_smem.index(w))
             tma_load(v_desc, [kv_row + w * 64, 0], kv_bar, v_smem.index(w))
+    if PART == 1:
+        tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + dot_desc.block_type.nbytes
+                                    + lse_desc.block_type.nbytes)
+    elif PART == 2:
+        tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                    + qt_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+    else:
+        tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + qt_desc.block_type.nbytes
+                                    + dot_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
     for t in range(GROUPS * n_q):
         g = t // n_q
         m0 = lo + (t - g * n_q) * BLOCK_M
@@ -68,15 +84,16 @@ def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
         bar = ready.index(s)
-        mbarrier.expect(bar, 4 * q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+        mbarrier.expect(bar, tile_bytes)
         row = q_row0 + g * N + m0
-        col_row = t_row0 + g * HEAD_D
         tma_load(q_desc, [row, 0], bar, q_smem.index(s))
-        tma_load(do_desc, [row, 0], bar, do_smem.index(s))
-        tma_load(qt_desc, [col_row, m0], bar, qt_smem.index(s))
-        tma_load(dot_desc, [col_row, m0], bar, dot_smem.index(s))
         tma_load(lse_desc, [row], bar, lse_smem.index(s))
-        tma_load(delta_desc, [row], bar, delta_smem.index(s))
+        if PART != 1:
+            tma_load(do_desc, [row, 0], bar, do_smem.index(s))
+            tma_load(qt_desc, [qt_row0 + g * DQK, m0], bar, qt_smem.index(s))
+            tma_load(delta_desc, [row], bar, delta_smem.index(s))
+        if PART != 2:
+            tma_load(dot_desc, [dot_row0 + g * HEAD_DV, m0], bar, dot_smem.index(s))
 
 
 @gluon.jit
@@ -91,7 +108,7 @@ def _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk):
 def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
           bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, masked, s_prev,
           window, CAUSAL: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr,
-          PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr):
+          PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr, PART: gl.constexpr):
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
     AHEAD: sq_t, sdo_t, sds (the tile's q8, dO8 and dS scales) were loaded a tile ahead by the caller; else they
     are loaded here, under the MMAs. RESCALE_DV False: the tile shares its dO8 quantization tile (128 rows) with
@@ -99,24 +116,27 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     the previous tile's dS^T / sds (zeros before the first tile), whose dK MMA (with q8^T of stage s_prev) is
     issued after this tile's S^T and dP^T and runs under its exponentials; this tile's goes back the same way. PIPE
     2: the same with dP^T's MMA into a fresh accumulator rather than dp_acc's registers (pipe_mode). HAS_WINDOW: a
-    masked tile also hides the queries past each key's window (rows >= key + window)."""
+    masked tile also hides the queries past each key's window (rows >= key + window). PART 1: dV alone (no dP^T,
+    no dS^T); PART 2: dK alone (no dV MMA); 0 both."""
     s_layout: gl.constexpr = s_acc.type.layout
-    a_layout: gl.constexpr = fp8_a_layout(dk.type.layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     if PIPE:
-        ds8_prev = fp8_operand(dp_acc, a_layout)
+        ds8_prev = fp8_operand(dp_acc, fp8_a_layout(dk.type.layout))
     s_acc = warpgroup_mma(k_sub, q_smem.index(s).permute((1, 0)), s_acc, use_acc=False, is_async=True)
-    if PIPE == 2:  # a fresh accumulator: ptxas 13 moved half of the conversions above past an MMA into dp_acc
-        dp_acc = gl.zeros(dp_acc.shape, gl.float32, s_layout)
-    dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
+    if PART != 1:
+        if PIPE == 2:  # a fresh accumulator: ptxas 13 moved half of the conversions above past an MMA into dp_acc
+            dp_acc = gl.zeros(dp_acc.shape, gl.float32, s_layout)
+        dp_acc = warpgroup_mma(v_sub, do_smem.index(s).permute((1, 0)), dp_acc, use_acc=False, is_async=True)
     if PIPE:  # dk is in the previous tile's units (c_dk) already
         dk = warpgroup_mma(ds8_prev, qt_smem.index(s_prev).permute((1, 0)), dk, is_async=True)
     if not AHEAD:
         row = bh * N + m0
         sq_t = gl.load(SQ + row)  # one quantization tile holds the 64-row query tile
         sdo_t = gl.load(SDO + row)
-        sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
-    s_acc = warpgroup_mma_wait(1 + (PIPE > 0), deps=(s_acc, ))  # S^T done; dP^T's MMA runs under the exponentials
+        if PART != 1:
+            sds = gl.load(DSS + (bh * dss_tq + m0 // BLOCK_M) * dss_tk + dss_col)
+    # S^T done; dP^T's MMA (and with PIPE the previous tile's dK MMA) runs under the exponentials
+    s_acc = warpgroup_mma_wait((PART != 1) + (PIPE > 0), deps=(s_acc, ))
     # LSE2 and delta came with the tile (TMA) and are read where needed: per-thread loads of them, held
     # across the MMA waits, cost 32 registers and spills (the kernel 1.18x slower on the H200)
     lse2 = lse_smem.index(s).load(col_layout)
@@ -131,38 +151,45 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
                 p256 = gl.where(vis, p256, 0.0)
             else:
                 p256 = gl.where(keys[:, None] <= cols[None, :], p256, 0.0)
-    # RESCALE_DV False (launch.DKDV_HOPPER_PAIRS): c_dv / cv is 1 up to the division's rounding, yet dV then differs
-    # from _bwd_dkdv_kernel's by up to 1.4e-3 (slightly closer to the reference); a runtime skip with three warpgroups
-    # made the kernel slower at D=64 (1.03-1.12x its time)
-    cv = sdo_t * (1.0 / 256.0)
-    if RESCALE_DV:
-        dv = dv * (c_dv / cv)
-    c_dv = cv
-    p8 = fp8_operand(p256, a_layout)
-    dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
-    dp_acc = warpgroup_mma_wait(1 + (PIPE > 0), deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
-    # dk is kept in units of the last tile's sds * sq (or of _fp8.acc_units' floor), the tile quantized at
-    # sq / units: r takes dst = dS^T * 256 to dS^T / sds
-    uk, ck_max = acc_units(sds * sq_t, ck_max)
-    if not PIPE:
-        dk = dk * (c_dk / uk)
-        c_dk = uk
-    r = sq_t * (1.0 / 256.0) / uk
-    delta = delta_smem.index(s).load(col_layout)
-    # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
-    ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
-    if PIPE:  # dS^T / sds goes to the next tile in fp32: an fp8 tensor across the back edge costs byte packing
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-        dk = dk * (c_dk / uk)
-        c_dk = uk
-        dp_acc = ds_r
+    if PART != 2:
+        # RESCALE_DV False (launch.DKDV_HOPPER_PAIRS): c_dv / cv is 1 up to the division's rounding, yet dV then
+        # differs from _bwd_dkdv_kernel's by up to 1.4e-3 (slightly closer to the reference); a runtime skip with three
+        # warpgroups made the kernel slower at D=64 (1.03-1.12x its time)
+        cv = sdo_t * (1.0 / 256.0)
+        if RESCALE_DV:
+            dv = dv * (c_dv / cv)
+        c_dv = cv
+        p8 = fp8_operand(p256, fp8_a_layout(dv.type.layout))
+        dv = warpgroup_mma(p8, dot_smem.index(s).permute((1, 0)), dv, is_async=True)
+    if PART == 1:
+        dv = warpgroup_mma_wait(0, deps=(dv, ))
     else:
-        ds8 = fp8_operand(ds_r, a_layout)
-        dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
-        # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
-        # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
-        # in flight into the second spilled and were slower (2x the kernel's time)
-        dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+        dp_acc = warpgroup_mma_wait((PART != 2) + (PIPE > 0), deps=(dp_acc, ))  # dP^T done; dV's MMA runs under dS
+        # dk is kept in units of the last tile's sds * sq (or of _fp8.acc_units' floor), the tile quantized at
+        # sq / units: r takes dst = dS^T * 256 to dS^T / sds
+        uk, ck_max = acc_units(sds * sq_t, ck_max)
+        if not PIPE:
+            dk = dk * (c_dk / uk)
+            c_dk = uk
+        r = sq_t * (1.0 / 256.0) / uk
+        delta = delta_smem.index(s).load(col_layout)
+        # r in dP's scale and delta: one FMUL per score less (the same dS up to fp32 rounding)
+        ds_r = p256 * (dp_acc * (dp_f * sdo_t * r) - delta[None, :] * r)
+        if PIPE:  # dS^T / sds goes to the next tile in fp32: an fp8 tensor across the back edge costs byte packing
+            dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+            dk = dk * (c_dk / uk)
+            c_dk = uk
+            dp_acc = ds_r
+        else:
+            ds8 = fp8_operand(ds_r, fp8_a_layout(dk.type.layout))
+            dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
+            # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
+            # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
+            # in flight into the second spilled and were slower (2x the kernel's time)
+            if PART == 2:
+                dk = warpgroup_mma_wait(0, deps=(dk, ))
+            else:
+                dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
     return s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv
 
 
@@ -171,7 +198,7 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
           sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk, dss_col, first,
           s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end, window, GROUPS: gl.constexpr,
           STAGES: gl.constexpr, CAUSAL: gl.constexpr, WGS: gl.constexpr, RESCALE_DV: gl.constexpr,
-          AHEAD: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr):
+          AHEAD: gl.constexpr, DIAG: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr, PART: gl.constexpr):
     """The ring's t-th query tile (tile i of the group's head g) through one warpgroup, its stage released after.
     AHEAD: the tile's scales were loaded a tile ahead (sq_n, sdo_n, sds_n), and the next tile's are loaded here;
     returns (g, i) of the next tile. DIAG: 0 the tile lies below the diagonal, 1 it crosses it, 2 a runtime test
@@ -212,7 +239,7 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max,
-                c_dv, diag | (m0 + BLOCK_M - 1 >= kb + window), s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, True)
+                c_dv, diag | (m0 + BLOCK_M - 1 >= kb + window), s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, True, PART)
     elif WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
         if DIAG == 2:
             masked = i < 2
@@ -221,18 +248,18 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-            masked, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False)
+            masked, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False, PART)
     elif DIAG == 2:
         if i >= first:  # the diagonal tile is this warpgroup's first
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-                i == first, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False)
+                i == first, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False, PART)
     else:  # three warpgroups, peeled: the caller skipped the tiles before `first`
         s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
             dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-            DIAG == 1, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False)
+            DIAG == 1, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False, PART)
     s_next = s
     if PIPE:
         if has_prev:
@@ -255,14 +282,16 @@ def _last_dk(ds, dk, qt_smem, empty, s, d_layout: gl.constexpr):
 def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty,
                    SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N, dss_tq, dss_tk, out_row,
                    key_end, window, WG: gl.constexpr, GROUPS: gl.constexpr, HEAD_D: gl.constexpr,
-                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, WGS: gl.constexpr,
-                   PAIRS: gl.constexpr, PEEL: gl.constexpr, AHEAD: gl.constexpr, PIPE: gl.constexpr,
-                   HAS_WINDOW: gl.constexpr):
+                   HEAD_DV: gl.constexpr, DQK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                   VARLEN: gl.constexpr, WGS: gl.constexpr, PAIRS: gl.constexpr, PEEL: gl.constexpr,
+                   AHEAD: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr, PART: gl.constexpr):
     gl.static_assert(WGS == 2 or not PIPE, "PIPE: two warpgroups only (launch._dkdv_hopper_cfg)")
+    gl.static_assert(PART == 0 or not PIPE, "PIPE: dK and dV in one launch only (launch._dkdv_hopper_cfg)")
     gl.static_assert(not (HAS_WINDOW and (PAIRS or PEEL or PIPE)), "a window: no pairs, peel or pipelined dK MMA "
                                                                   "(launch._dkdv_hopper_cfg)")
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
-    d_layout: gl.constexpr = mma_layout(HEAD_D)
+    d_layout: gl.constexpr = mma_layout(HEAD_D)  # dK's (HEAD_D: Dqk rounded up to a power of two)
+    dv_layout: gl.constexpr = mma_layout(HEAD_DV)
     kb = n0 + WG * 64  # this warpgroup's first key
     if WGS == 2:
         k_sub = k_smem.slice(WG * 64, 64)
@@ -280,8 +309,9 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     # that no zero fill is needed per tile
     s_acc = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
     dp_acc = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
+    # PART 1 and 2 leave the other accumulator untouched (the loops then carry nothing for it)
     dk = gl.zeros([64, HEAD_D], gl.float32, d_layout)
-    dv = gl.zeros([64, HEAD_D], gl.float32, d_layout)
+    dv = gl.zeros([64, HEAD_DV], gl.float32, dv_layout)
     c_dk = softmax_scale * 0.0 + 1.0  # dk, dv are kept in units of the last tile's scales (c_dk, c_dv)
     ck_max = softmax_scale * 0.0  # the largest sds * sq so far (_fp8.acc_units)
     c_dv = softmax_scale * 0.0 + 1.0
@@ -325,7 +355,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, u, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
                 dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end, window, GROUPS, STAGES,
-                CAUSAL, WGS, u == 0 or not PAIRS, AHEAD, 1, PIPE, HAS_WINDOW)
+                CAUSAL, WGS, u == 0 or not PAIRS, AHEAD, 1, PIPE, HAS_WINDOW, PART)
         t0 = 2
     elif PEEL:  # first <= n_q (first == n_q: a warpgroup past the keys)
         _release(ready, empty, 0, first, STAGES)
@@ -338,7 +368,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, first, g, i,
                 sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq,
                 dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end, window, GROUPS,
-                STAGES, CAUSAL, WGS, True, AHEAD, 1, PIPE, HAS_WINDOW)
+                STAGES, CAUSAL, WGS, True, AHEAD, 1, PIPE, HAS_WINDOW, PART)
             t0 = first + 1
     if PAIRS:
         for t2 in range(t0 // 2, GROUPS * n_q // 2):
@@ -347,28 +377,39 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                     k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, 2 * t2 + u,
                     g, i, sq_n, sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N,
                     dss_tq, dss_tk, dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end,
-                    window, GROUPS, STAGES, CAUSAL, WGS, u == 0, AHEAD, DIAG, PIPE, HAS_WINDOW)
+                    window, GROUPS, STAGES, CAUSAL, WGS, u == 0, AHEAD, DIAG, PIPE, HAS_WINDOW, PART)
     else:
         for t in range(t0, GROUPS * n_q):
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, g, i, sq_n, sdo_n, sds_n, s_prev = _step(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, empty, t, g, i, sq_n,
                 sdo_n, sds_n, SQ_G, SDO_G, DSS_G, SQ, SDO, DSS, keys, col_f, dp_f, bh0, lo, n_q, N, dss_tq, dss_tk,
                 dss_col, first, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, s_prev, kb, i_end, window, GROUPS, STAGES,
-                CAUSAL, WGS, True, AHEAD, DIAG, PIPE, HAS_WINDOW)
+                CAUSAL, WGS, True, AHEAD, DIAG, PIPE, HAS_WINDOW, PART)
     if PIPE:  # the last tile's dK MMA
         dk = _last_dk(dp_acc, dk, qt_smem, empty, s_prev, d_layout)
-    dk = dk * (c_dk * softmax_scale)
-    dv = dv * c_dv
-    keys_out = kb + gl.arange(0, 64, gl.SliceLayout(1, d_layout))
-    dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
-    offs = (out_row + keys_out).to(gl.int64)[:, None] * HEAD_D + dcols[None, :]
-    if VARLEN or WGS != 2:  # the sequence's keys only (key_end: its end in the padded layout)
-        kmask = (keys_out < key_end)[:, None]
-        gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=kmask)
-        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=kmask)
+    if PART != 2:
+        _store_rows(DV, dv * c_dv, out_row, kb, key_end, HEAD_DV, VARLEN or WGS != 2)
+    if PART != 1:
+        _store_rows(DK, dk * (c_dk * softmax_scale), out_row, kb, key_end, DQK, VARLEN or WGS != 2)
+
+
+@gluon.jit
+def _store_rows(X, x, out_row, kb, key_end, COLS: gl.constexpr, KEY_MASK: gl.constexpr):
+    """A warpgroup's 64 rows of dK or dV (x: 64 x a power of two >= COLS, the columns past COLS dropped) at rows
+    out_row + kb .. of X (COLS per row); KEY_MASK: only the keys before key_end (a padded sequence's end)."""
+    layout: gl.constexpr = x.type.layout
+    keys = kb + gl.arange(0, 64, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, x.shape[1], gl.SliceLayout(0, layout))
+    offs = (out_row + keys).to(gl.int64)[:, None] * COLS + cols[None, :]
+    if KEY_MASK:
+        mask = (keys < key_end)[:, None]
+        if COLS != x.shape[1]:
+            mask = mask & (cols < COLS)[None, :]
+        gl.store(X + offs, x.to(X.dtype.element_ty), mask=mask)
+    elif COLS != x.shape[1]:
+        gl.store(X + offs, x.to(X.dtype.element_ty), mask=(cols < COLS)[None, :])
     else:
-        gl.store(DK + offs, dk.to(DK.dtype.element_ty))
-        gl.store(DV + offs, dv.to(DV.dtype.element_ty))
+        gl.store(X + offs, x.to(X.dtype.element_ty))
 
 
 @gluon.jit
@@ -377,9 +418,13 @@ def _bwd_dkdv_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT, window,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     VARLEN: gl.constexpr, WGS: gl.constexpr, REGS: gl.constexpr, PAIRS: gl.constexpr, PEEL: gl.constexpr,
-    AHEAD: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    AHEAD: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr, HEAD_DV: gl.constexpr, DQK: gl.constexpr,
+    PART: gl.constexpr,
 ):
+    # HEAD_D: q's and k's box width, Dqk rounded up to a power of two (TMA fills the columns past DQK with zeros);
+    # HEAD_DV: Dv; DQK: Dqk, dK's row length; PART 0: dK and dV; 1: dV alone; 2: dK alone (launch._dkdv_parts)
     gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (launch._hopper_why_not)")
+    gl.static_assert(PART == 0 or WGS == 2, "dV and dK in two launches: two warpgroups (launch._dkdv_hopper_cfg)")
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
     # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
     base, length, start = _segment(CU, PCU, N, VARLEN)
@@ -408,18 +453,31 @@ def _bwd_dkdv_hopper_kernel(
     col_f = softmax_scale * 1.4426950408889634 * gl.load(SK + kv_row)
     dp_f = gl.load(SV + kv_row)
 
+    # the buffers a PART does not read are not allocated (at D = 256 all of them need 256 KB): their names stand for
+    # buffers that are (never read)
     if WGS == 2:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+        if PART == 1:
+            v_smem = k_smem
+        else:
+            v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
     else:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [WGS] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [WGS] + v_desc.block_type.shape, v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
-    dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
+    if PART == 1:
+        do_smem = q_smem
+        qt_smem = q_smem
+        delta_smem = lse_smem
+    else:
+        do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
+    if PART == 2:
+        dot_smem = q_smem
+    else:
+        dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     ready, empty = _ring_barriers(STAGES, WGS)
@@ -428,15 +486,15 @@ def _bwd_dkdv_hopper_kernel(
         gl.warp_specialize([
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
+                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
+                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
-                       bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
+                       bh0 * DQK, bh0 * HEAD_DV, lo, n_q, N, GROUPS, DQK, HEAD_DV, STAGES, WGS, PART)),
         ], [4, 1], [REGS, 24])
     else:
         # 192 keys span two 128-key quantization tiles (each warpgroup reads its own scales), and the last block's
@@ -451,19 +509,19 @@ def _bwd_dkdv_hopper_kernel(
         gl.warp_specialize([
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
+                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f1, dp_f1, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
+                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f2, dp_f2, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 2, GROUPS, HEAD_D, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW)),
+                              dss_tq, dss_tk, out_row, base + length, window, 2, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
+                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
-                       bh0 * HEAD_D, lo, n_q, N, GROUPS, HEAD_D, STAGES, WGS)),
+                       bh0 * DQK, bh0 * HEAD_DV, lo, n_q, N, GROUPS, DQK, HEAD_DV, STAGES, WGS, PART)),
         ], [4, 4, 1], [REGS, REGS, 24])
 
 
@@ -476,27 +534,33 @@ def pipe_mode(pipe, fresh_dp):
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
                 dss_tq, dss_tk, grid, n_tiles, head_group, stages, warpgroups, regs, pairs, peel, ahead,
-                pipe=False, fresh_dp=False, segments=None, window=None):
+                pipe=False, fresh_dp=False, parts=(0,), segments=None, window=None):
     """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's tiles
     before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile ahead, required
     with GQA; `pipe`: each tile's dK MMA issued with the next tile's S^T and dP^T, two warpgroups and dense
-    batches only; `fresh_dp`: with `pipe`, dP^T's MMA into a fresh accumulator, pipe_mode).
+    batches only; `fresh_dp`: with `pipe`, dP^T's MMA into a fresh accumulator, pipe_mode; `parts`: the launches,
+    (0,) dK and dV at once or (1, 2) dV then dK (launch._dkdv_parts: Dqk = 192 or Dv = 256, where one warpgroup
+    cannot hold both accumulators). Dqk need not be Dv (MLA: 192 / 128): q's and k's boxes are Dqk rounded up to a
+    power of two wide, filled with zeros past Dqk, so dK's accumulator has that many columns, the extra ones dropped.
     segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded layout. window: a causal
     sliding window (launch.HOPPER_WINDOW: no pairs, peel or pipe then), each query's keys in (pos - window, pos]."""
-    B, Hq, N, D = q8.shape
-    Hkv = k8.shape[1]
+    B, Hq, N, dqk = q8.shape
+    Hkv, dv_ = k8.shape[1], v8.shape[3]
+    box = 1 << (dqk - 1).bit_length()  # Gluon's blocks are powers of two
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (sq, sq)  # unread without VARLEN
     kbox = KEYS_PER_PROGRAM if warpgroups == 2 else 64  # three warpgroups: a box each
-    _bwd_dkdv_hopper_kernel[grid](
-        _desc(k8, [kbox, D]), _desc(v8, [kbox, D]), _desc(q8, [QUERIES_PER_TILE, D]),
-        _desc(q8t, [D, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, D]), _desc(do8t, [D, QUERIES_PER_TILE]),
-        _row_desc(lse2), _row_desc(delta), sq, sk, sv, sdo, dss, dk, dv,
-        Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
-        int(window) if window is not None else 0,
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None,
-        WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead),
-        PIPE=pipe_mode(pipe, fresh_dp), HAS_WINDOW=window is not None,
-        num_warps=4,
-    )
+    descs = (_desc(k8, [kbox, box]), _desc(v8, [kbox, dv_]), _desc(q8, [QUERIES_PER_TILE, box]),
+             _desc(q8t, [box, QUERIES_PER_TILE]), _desc(do8, [QUERIES_PER_TILE, dv_]),
+             _desc(do8t, [dv_, QUERIES_PER_TILE]), _row_desc(lse2), _row_desc(delta))
+    for part in parts:
+        _bwd_dkdv_hopper_kernel[grid](
+            *descs, sq, sk, sv, sdo, dss, dk, dv,
+            Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dk.shape[2],
+            int(window) if window is not None else 0,
+            GROUPS=Hq // Hkv, HEAD_D=box, STAGES=stages, CAUSAL=bool(causal), VARLEN=segments is not None,
+            WGS=warpgroups, REGS=regs, PAIRS=bool(pairs), PEEL=bool(peel), AHEAD=bool(ahead),
+            PIPE=pipe_mode(pipe, fresh_dp), HAS_WINDOW=window is not None, HEAD_DV=dv_, DQK=dqk, PART=part,
+            num_warps=4,
+        )

@@ -19,14 +19,15 @@ from ._fp8 import INTERPRET
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
 # on packed batches), "hopper_ragged" (on dense batches of N not a multiple of 128), "hopper_window" (on causal
-# sliding windows) and "hopper_fwd_wide" (the Gluon forward at FWD_HOPPER_WIDE_DIMS). The q/k quantization pass
+# sliding windows), "hopper_fwd_wide" (the Gluon forward at FWD_HOPPER_WIDE_DIMS) and "hopper_dkdv_wide" (the Gluon
+# dK/dV kernel at DKDV_HOPPER_WIDE_DIMS). The q/k quantization pass
 # with the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where its default is
 # defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
               "fwd_hopper", "fwd_hopper_stages", "dkdv_hopper_wgs", "dkdv_hopper_pipe", "hopper_packed",
-              "hopper_ragged", "hopper_window", "hopper_fwd_wide", "quantize_rotate"}
+              "hopper_ragged", "hopper_window", "hopper_fwd_wide", "hopper_dkdv_wide", "quantize_rotate"}
              | {f"{k}_maxnreg" for k in ("fwd", "dq", "dkdv")})
 
 
@@ -99,8 +100,9 @@ def _scale_after_sum(d: int) -> bool:
 # converting the LSE itself, and at which its exp2 yields P * 256 directly, the shift 8 subtracted in LSE2 (one FMUL
 # per score less; dS^T comes out times 256, undone exactly in the per-tile scale): together 0.97x the dK/dV kernel's
 # time at D=128 causal, 0.95x at D=64.
-DKDV_LSE2_HEAD_DIMS = (64, 128, 256)
-DKDV_P256_HEAD_DIMS = (64, 128, 256)
+# At 192 (MLA's Dqk; max(Dqk, Dv) names the case) they are what the Gluon dK/dV kernel reads (DKDV_HOPPER_WIDE_DIMS).
+DKDV_LSE2_HEAD_DIMS = (64, 128, 192, 256)
+DKDV_P256_HEAD_DIMS = (64, 128, 192, 256)
 
 
 def _dkdv_lse2(d: int) -> bool:
@@ -150,7 +152,7 @@ DKDV_HOPPER_HEAD_DIMS = (64, 128)
 DKDV_HOPPER_STAGES = 3
 # MMA warpgroups per program (64 keys each) and their registers, by head dim: three at D=64, where the kernel needs
 # under 128 registers (0.85x the time dense causal, 0.77x packed); at D=128 the dK and dV accumulators alone take 128
-DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240)}
+DKDV_HOPPER_WARPGROUPS = {64: (3, 160), 128: (2, 240), 192: (2, 240), 256: (2, 240)}
 # With two warpgroups (D=128), the query tiles in pairs that share their 128-row dO8 quantization tile: the second
 # skips dV's rescale (c / c' = 1 up to the division's rounding; dV then differs from the single-tile loop's by up to
 # 1.4e-3, slightly closer to the reference): 0.95x the time on the full mask, 0.94x with GQA; dense causal without
@@ -268,15 +270,15 @@ def _hopper_case(**case) -> bool:
 
 def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, varlen: bool, window, n: int, m: int,
                     device, lse2_in: bool, p_shift: int, packed: bool = False, causal: bool = False,
-                    wide: bool = False) -> str | None:
+                    wide: str | None = None) -> str | None:
     """None where the input is the Gluon kernels' case, else why not (one phrase, for the dispatch log): fp8 e4m3,
     Dqk = Dv in 64/128, block 128, no window (or a causal one with HOPPER_WINDOW or TUNE["hopper_window"]; `window`
     is None under the full mask, which ignores it), and N = M a multiple of 128, or N = M otherwise (HOPPER_RAGGED or
     TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen,
     causal, cu_seqlens_q = cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested
     Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes
-    only for inputs the Gluon kernels would otherwise take. wide: the forward's case, which also takes the head dims
-    of FWD_HOPPER_WIDE_DIMS where _wide_why_not allows."""
+    only for inputs the Gluon kernels would otherwise take. wide: "forward" or "dkdv", a kernel that also takes the head
+    dims of its WIDE_DIMS (FWD_HOPPER_WIDE_DIMS, DKDV_HOPPER_WIDE_DIMS) where _wide_why_not allows."""
     if INTERPRET:
         return "TRITON_INTERPRET=1 (Gluon has no interpreter)"
     if not fp8:
@@ -284,9 +286,9 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     if not e4m3:
         return "e5m2 gradients"
     if dqk != dv or dqk not in (64, 128):
-        if not (wide and (dqk, dv) in FWD_HOPPER_WIDE_DIMS):
+        if not (wide and (dqk, dv) in WIDE_DIMS[wide]):
             return f"head dims Dqk={dqk}, Dv={dv} (Dqk = Dv in 64, 128 only)"
-        why = _wide_why_not(dqk=dqk, dv=dv, varlen=varlen, window=window, n=n)
+        why = _wide_why_not(wide, dqk=dqk, dv=dv, varlen=varlen, window=window, n=n)
         if why:
             return why
     if block != 128:
@@ -327,22 +329,33 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
 # cuDNN 0.940) and 0.43x for MLA (1.061 vs 2.451 ms, cuDNN 1.248).
 FWD_HOPPER_WIDE_DIMS = ((256, 256), (192, 128))
 HOPPER_FWD_WIDE = True
+# The same head dims for the Gluon dK/dV kernel, after the Triton dQ kernel (which writes the dS tile scales and LSE2
+# it reads): two launches, dV alone then dK alone (_dkdv_parts: a warpgroup cannot hold both 64 x 256 accumulators,
+# nor MLA's 64 x 256 (Dqk 192 in a power-of-two box) and 64 x 128), two MMA warpgroups of 240 registers each.
+# TUNE["hopper_dkdv_wide"] (or TUNE["dkdv_hopper"]) = False turns it off.
+DKDV_HOPPER_WIDE_DIMS = ((256, 256), (192, 128))
+HOPPER_DKDV_WIDE = True
+WIDE_DIMS = {"forward": FWD_HOPPER_WIDE_DIMS, "dkdv": DKDV_HOPPER_WIDE_DIMS}
+_WIDE_SWITCH = {"forward": ("hopper_fwd_wide", "HOPPER_FWD_WIDE"), "dkdv": ("hopper_dkdv_wide", "HOPPER_DKDV_WIDE")}
 # Registers of each of the two MMA warpgroups at Dv = 256: O (128 per thread), S (64) and P8 (16) at once
 FWD_HOPPER_WIDE_REGS = 240
 FWD_HOPPER_WIDE_STAGES = 2
 
 
-def _wide_why_not(*, dqk: int, dv: int, varlen: bool, window, n: int) -> str | None:
-    """_hopper_why_not's verdict at FWD_HOPPER_WIDE_DIMS (the Gluon forward only): None, or why not."""
+def _wide_why_not(kernel: str, *, dqk: int, dv: int, varlen: bool, window, n: int) -> str | None:
+    """_hopper_why_not's verdict at the WIDE_DIMS of `kernel` ("forward": the Gluon forward, "dkdv": the Gluon dK/dV
+    kernel): None, or why not."""
     dims = f"head dims Dqk={dqk}, Dv={dv}"
-    if not TUNE.get("hopper_fwd_wide", HOPPER_FWD_WIDE):
-        return f"{dims}: the Gluon forward there is off (launch.HOPPER_FWD_WIDE / TUNE['hopper_fwd_wide'])"
+    key, flag = _WIDE_SWITCH[kernel]
+    name = {"forward": "the Gluon forward", "dkdv": "the Gluon dK/dV kernel"}[kernel]
+    if not TUNE.get(key, globals()[flag]):
+        return f"{dims}: {name} there is off (launch.{flag} / TUNE['{key}'])"
     if varlen:
-        return f"a varlen batch at {dims} (the Gluon forward there: dense batches only)"
+        return f"a varlen batch at {dims} ({name} there: dense batches only)"
     if window is not None:
-        return f"a sliding window at {dims} (the Gluon forward there: none)"
+        return f"a sliding window at {dims} ({name} there: none)"
     if n % 128:
-        return f"N not a multiple of 128 at {dims} (the Gluon forward there: whole 128-token tiles only)"
+        return f"N not a multiple of 128 at {dims} ({name} there: whole 128-token tiles only)"
     return None
 
 
@@ -406,13 +419,14 @@ def _fwd_hopper(d: int, *, fp8: bool, dqk: int, dv: int, block: int, varlen: boo
 def _fwd_case(**case) -> dict:
     """_hopper_case's input for the forward (_fwd_hopper's arguments): e4m3, the dQ kernel's LSE2 and P * 256,
     which the forward does not use, and the forward's own head dims (wide: FWD_HOPPER_WIDE_DIMS)."""
-    return dict(case, e4m3=True, lse2_in=True, p_shift=8, wide=True)
+    return dict(case, e4m3=True, lse2_in=True, p_shift=8, wide="forward")
 
 
 def _dkdv_hopper(d: int, **case) -> bool:
-    """Whether dK/dV comes from dkdv_hopper's Gluon kernel: DKDV_HOPPER_HEAD_DIMS or TUNE["dkdv_hopper"], and the
-    input is its case (_hopper_case)."""
-    return bool(TUNE.get("dkdv_hopper", d in DKDV_HOPPER_HEAD_DIMS)) and _hopper_case(**case)
+    """Whether dK/dV comes from dkdv_hopper's Gluon kernel: DKDV_HOPPER_HEAD_DIMS, DKDV_HOPPER_WIDE_DIMS (where
+    HOPPER_DKDV_WIDE is on: _wide_why_not) or TUNE["dkdv_hopper"], and the input is its case (_hopper_case)."""
+    wide = (case["dqk"], case["dv"]) in DKDV_HOPPER_WIDE_DIMS
+    return bool(TUNE.get("dkdv_hopper", d in DKDV_HOPPER_HEAD_DIMS or wide)) and _hopper_case(**case, wide="dkdv")
 
 
 def _dkdv_warpgroups(d: int) -> dict:
@@ -453,7 +467,8 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool, window:
     DKDV_HOPPER_* or TUNE["dkdv_hopper_<option>"]. Pairs only with two warpgroups; the scales a tile ahead always
     with GQA (the loop counts the group's heads that way), else on dense batches by warpgroups (DKDV_HOPPER_AHEAD);
     the pipelined dK MMA with two warpgroups on dense batches without GQA (DKDV_HOPPER_PIPE), not under a ptxas of
-    CUDA 13+ unless TUNE["dkdv_hopper_pipe"] asks, and then with a fresh dP^T accumulator (fresh_dp)."""
+    CUDA 13+ unless TUNE["dkdv_hopper_pipe"] asks, and then with a fresh dP^T accumulator (fresh_dp); the launches
+    (parts: _dkdv_parts, dV and dK apart above D = 128, and then no pipelined dK MMA)."""
     wgs = _dkdv_warpgroups(d)
     n = wgs["warpgroups"]
     if window and any(TUNE.get(f"dkdv_hopper_{k}") for k in ("pairs", "peel", "pipe")):
@@ -461,14 +476,14 @@ def _dkdv_hopper_cfg(d: int, *, causal: bool, groups: int, packed: bool, window:
     peel = _dkdv_hopper_peel(causal=causal, groups=groups, packed=packed, warpgroups=n) and not window
     pairs = _dkdv_hopper_pairs(causal=causal, groups=groups, packed=packed, peel=peel) and n == 2 and not window
     ahead = groups > 1 or (DKDV_HOPPER_AHEAD[n] and not packed)
-    fits = n == 2 and groups == 1 and not packed and not window
+    fits = n == 2 and groups == 1 and not packed and not window and len(_dkdv_parts(d)) == 1
     fresh_dp = _sm90_ptxas_major() >= DKDV_HOPPER_PIPE_PTXAS_BELOW
     pipe = fits and bool(TUNE.get("dkdv_hopper_pipe", DKDV_HOPPER_PIPE and not fresh_dp))
     if TUNE.get("dkdv_hopper_pipe") and not fits:
         raise ValueError("dkdv_hopper_pipe: dense batches only, two MMA warpgroups (dkdv_hopper_wgs), one query head "
-                         "per KV head")
+                         "per KV head, dK and dV in one launch (head dims up to 128)")
     return dict(stages=int(TUNE.get("dkdv_hopper_stages", DKDV_HOPPER_STAGES)), pairs=pairs, peel=peel, ahead=ahead,
-                pipe=pipe, fresh_dp=pipe and fresh_dp, **wgs)
+                pipe=pipe, fresh_dp=pipe and fresh_dp, parts=_dkdv_parts(d), **wgs)
 
 
 def _fwd_hopper_cfg(dv: int) -> dict:
