@@ -357,7 +357,9 @@ def default_cases():
     for d in (64, 128):  # the rarer inputs after the common ones
         cases[f"d{d}-varlen-unaligned"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3001, 3999, 1000))
         cases[f"d{d}-varlen-full"] = dict(d=d, causal=False, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000))
-        cases[f"d{d}-window"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, window=1024)
+        # the Triton kernels on a window (TUNE hopper_window off; the Gluon ones are the default there)
+        cases[f"d{d}-window"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, window=1024,
+                                     tune=dict(hopper_window=False))
         cases[f"d{d}-e5m2"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, grad_format="e5m2")
         cases[f"d{d}-block64"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, block=64)
     for causal in (True, False):
@@ -376,7 +378,8 @@ def default_cases():
         for hq, hkv in ((4, 4), (16, 4)):
             cases[f"d256-{mask}-h{hq}:{hkv}-fwd-wide"] = dict(d=256, causal=causal, hq=hq, hkv=hkv, n=8192, tune=wide)
         cases[f"mla-192:128-{mask}-fwd-wide"] = dict(d=192, dv=128, causal=causal, hq=4, hkv=4, n=8192, tune=wide)
-    # the Gluon kernels' sliding windows (launch.HOPPER_WINDOW, off by default): dense, ragged and packed batches
+    # the Gluon kernels' sliding windows (launch.HOPPER_WINDOW, on by default; its TUNE key explicit): dense, ragged
+    # and packed batches
     for d in (64, 128):
         for hq, hkv in ((4, 4), (16, 4)):
             for n in (8192, 8000):

@@ -903,9 +903,9 @@ def test_gluon_kernels_only_where_they_apply():
 
 
 def test_gluon_window_dispatch(monkeypatch):
-    """A causal sliding window on the Gluon kernels (launch.HOPPER_WINDOW, off until their GPU tests pass on the
-    H200: tests/test_kernels_gpu.py::test_hopper_window): off, _hopper_why_not names the switch; on (TUNE
-    ["hopper_window"] or HOPPER_WINDOW), a window is no reason against them on dense batches (any N) or packed ones,
+    """A causal sliding window on the Gluon kernels (launch.HOPPER_WINDOW, on by default since their GPU tests
+    passed on the H200: tests/test_kernels_gpu.py::test_hopper_window): off (TUNE["hopper_window"] = False),
+    _hopper_why_not names the switch; on, a window is no reason against them on dense batches (any N) or packed ones,
     while every other condition still holds; the dK/dV kernel's options drop the pairs, the peeled diagonal and the
     pipelined dK MMA for it, and refuse them when asked for. The full mask has no window (ops passes None)."""
     import types
@@ -922,9 +922,13 @@ def test_gluon_window_dispatch(monkeypatch):
     def why(**change):
         return KL._hopper_why_not(**{**base, **change})
 
-    assert not KL.HOPPER_WINDOW
+    assert KL.HOPPER_WINDOW
+    K.TUNE["hopper_window"] = False
     assert "sliding window" in why() and "hopper_window" in why() and why(window=None) is None
     assert "sliding window" in why(varlen=True, packed=True)
+    K.TUNE.clear()
+    monkeypatch.setattr(KL, "HOPPER_WINDOW", False)
+    assert "sliding window" in why() and "HOPPER_WINDOW" in why()
     K.TUNE["hopper_window"] = True
     try:
         for n in (8192, 8000, 200):

@@ -190,7 +190,8 @@ def test_hash_records_the_default_launches():
     kernel for the stale delta there, at N = 8000 the Gluon kernels' packed variant (VARLEN) by default and the Triton
     kernels with TUNE["hopper_ragged"] off, causal and full, with the Triton backward there for the stale delta (the
     padded layout: both Gluon kernels or neither), the Triton kernels
-    in bf16, and dK/dV in two launches at D=256; with the constexprs the kernels get."""
+    in bf16, and at D=256 dK/dV in two launches of the Gluon kernel (dV, then dK) after the Triton dQ kernel; with the
+    constexprs the kernels get."""
     stdout = _record(
         "for ragged in (False, True):\n"
         "    launch.TUNE.clear() if ragged else launch.TUNE.update(hopper_ragged=False)\n"
@@ -204,14 +205,14 @@ def test_hash_records_the_default_launches():
     )
     got = dict(ln.split(" ", 1) for ln in stdout.splitlines())
     # (kernel, PART, FP8, VARLEN): the Gluon kernels have no FP8 constexpr, the Triton ones no VARLEN here
-    gluon_dense = [("hopper_fwd", None, None, False), ("hopper_dq", None, None, False), ("hopper", None, None, False)]
-    gluon_padded = [("hopper_fwd", None, None, True), ("hopper_dq", None, None, True), ("hopper", None, None, True)]
+    gluon_dense = [("hopper_fwd", None, None, False), ("hopper_dq", None, None, False), ("hopper", 0, None, False)]
+    gluon_padded = [("hopper_fwd", None, None, True), ("hopper_dq", None, None, True), ("hopper", 0, None, True)]
     triton_fp8 = [("fwd", None, True, False), ("dq", None, True, False), ("dkdv", 0, True, False)]
     assert got["d128-causal-h4:4-n8192-fp8-matching"] == str(gluon_dense)
     assert got["d128-causal-h4:4-n8192-fp8-stale"] == str([gluon_dense[0], triton_fp8[1], gluon_dense[2]])
     assert got["d64-causal-h4:4-n8000-bf16-matching"] == str([("fwd", None, False, False), ("dq", None, False, False),
                                                              ("dkdv", 0, False, False)])
-    assert got["d256-causal-fp8"] == str([*triton_fp8[:2], ("dkdv", 1, True, False), ("dkdv", 2, True, False)])
+    assert got["d256-causal-fp8"] == str([*triton_fp8[:2], ("hopper", 1, None, False), ("hopper", 2, None, False)])
     # N = 8000: the Gluon kernels' packed variant by default (launch.HOPPER_RAGGED), the Triton kernels with
     # TUNE["hopper_ragged"] off; everything else the same either way
     for name in ("d128-full-h16:4-n8000-fp8-matching", "d128-causal-h16:4-n8000-fp8-matching"):
@@ -272,8 +273,8 @@ def test_hash_records_the_wide_forward():
 
 
 def test_hash_records_the_window_launches():
-    """record_launches on the sliding-window cases: a causal window takes the Triton kernels by default
-    (launch.HOPPER_WINDOW off) and, with the case's TUNE hopper_window, the three Gluon kernels with HAS_WINDOW, dense
+    """record_launches on the sliding-window cases: a causal window takes the Triton kernels with the case's TUNE
+    hopper_window off and, with it on (launch.HOPPER_WINDOW's default), the three Gluon kernels with HAS_WINDOW, dense
     (N = 8192), ragged (N = 8000: their padded variant) and packed, with the dK/dV kernel's pairs, peeled diagonal and
     pipelined dK MMA off; the unwindowed Gluon launches have HAS_WINDOW off, and the case's TUNE is gone after it."""
     stdout = _record(
