@@ -244,11 +244,39 @@ def test_gluon_forward_wide_compiles_for_sm90(dims):
     assert int(re.search(r"spill=(\d+)B", ln).group(1)) <= allowed, ln
 
 
+@pytest.mark.parametrize("dims", [["--d", "256"], ["--d", "256", "--groups", "4"], ["--d", "192", "--dv", "128"]],
+                         ids=["d256", "d256-gqa", "mla"])
+@pytest.mark.parametrize("part", ["1", "2"])
+def test_gluon_dkdv_wide_compiles_for_sm90(dims, part):
+    """The Gluon dK/dV kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DKDV_HOPPER_WIDE_DIMS), each of its two
+    launches (PART 1: dV alone, P8 dO8 MMAs Dv wide; PART 2: dK alone, dS8 q8 MMAs 256 wide, Dqk in a power-of-two
+    box), compiles for sm_90 within the SM's 227 KB of shared memory, no serialized wgmma. Spills, compiled on a CPU
+    machine: with Triton 3.6 none but in the dK launch with GQA (40 bytes for MLA, 64 at D=256: the scales loaded a
+    tile ahead beside dK's 128 registers per thread, S^T and dP^T); with 3.9 none in the dV launch and 24-128 bytes
+    in the dK one. On the H200 (Triton 3.6, causal, no GQA) the two launches took 0.57x (D=256) and 0.51x (MLA) the
+    Triton dK/dV kernels' time."""
+    import triton
+    stdout = _compile("--kernels", "hopper", "--part", part, *dims)
+    rows = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 1, stdout
+    ln = rows[0]
+    assert "wgmma serialized: no" in ln, ln
+    mma = "QGMMA.64x256x32.F32.E4M3.E4M3" if part == "2" or "256" in dims[1] else "QGMMA.64x128x32.F32.E4M3.E4M3"
+    assert mma in ln and "QGMMA.64x64x32.F32.E4M3.E4M3" in ln, ln
+    assert int(re.search(r"smem=(\d+)", ln).group(1)) <= 227 * 1024, ln
+    if triton.__version__.startswith("3.6"):
+        allowed = 64 if part == "2" and "--groups" in dims else 0
+    else:
+        allowed = 0 if part == "1" else 128
+    assert int(re.search(r"spill=(\d+)B", ln).group(1)) <= allowed, ln
+
+
 def test_hash_records_the_wide_forward():
     """--hash's cases behind TUNE["hopper_fwd_wide"] (D=256, MLA's 192/128): the Gluon forward launches (two
-    warpgroups at Dv = 256, three at Dv = 128; HEAD_D is Dv), then the Triton dQ kernel and the split dK/dV one with
-    the very constexprs they get after the Triton forward (the backward reads the same saved tensors either way);
-    with the key off the Triton forward, and the key leaves kernels.TUNE as it was."""
+    warpgroups at Dv = 256, three at Dv = 128; HEAD_D is Dv), then the Triton dQ kernel and the Gluon dK/dV kernel
+    twice (dV, then dK: PART 1, 2; q/k boxes of 256, Dqk and Dv as given) with the very constexprs they get after the
+    Triton forward (the backward reads the same saved tensors either way); with the key off the Triton forward, and
+    the key leaves kernels.TUNE as it was."""
     stdout = _record(
         "for name in ('d256-causal-h4:4-fwd-wide', 'd256-full-h16:4-fwd-wide', 'mla-192:128-causal-fwd-wide'):\n"
         "    base = {**cases[name], 'tune': {'hopper_fwd_wide': False}}\n"
@@ -265,10 +293,13 @@ def test_hash_records_the_wide_forward():
     for name, (dv, nwg) in (("d256-causal-h4:4-fwd-wide", (256, 2)), ("d256-full-h16:4-fwd-wide", (256, 2)),
                             ("mla-192:128-causal-fwd-wide", (128, 3))):
         wide, base = got["wide", name], got["base", name]
-        assert [k for k, _ in wide] == ["hopper_fwd", "dq", "dkdv", "dkdv"], wide
-        assert [k for k, _ in base] == ["fwd", "dq", "dkdv", "dkdv"], base
+        assert [k for k, _ in wide] == ["hopper_fwd", "dq", "hopper", "hopper"], wide
+        assert [k for k, _ in base] == ["fwd", "dq", "hopper", "hopper"], base
         cx = dict(wide[0][1])
         assert cx["HEAD_D"] == dv and cx["NWG"] == nwg and not cx["VARLEN"], cx
+        parts = [dict(c) for _, c in wide[2:]]
+        assert [(c["PART"], c["HEAD_D"], c["DQK"], c["HEAD_DV"], c["WGS"]) for c in parts] == \
+            [(p, 256, 256 if dv == 256 else 192, dv, 2) for p in (1, 2)], parts
         assert wide[1:] == base[1:], name
 
 

@@ -1,10 +1,13 @@
 """dK/dV on Hopper, written in Gluon: one TMA warp feeding two (D=128) or three (D=64) independent MMA warpgroups.
 
-The same contract and arithmetic as `_bwd_dkdv_kernel` (backward.py) with PART 0, DSS_IN, LSE2_IN and
-P_SHIFT = 8, for its common case only (launch._dkdv_hopper says when): fp8 e4m3, Dqk = Dv in (64, 128), no
-window (HAS_WINDOW: a causal sliding window, with launch.HOPPER_WINDOW: the query tiles end at the last query whose
-window holds the program's last key, each warpgroup skips those past its own keys' windows and masks those the
-window's edge cuts), N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its
+The same contract and arithmetic as `_bwd_dkdv_kernel` (backward.py) with DSS_IN, LSE2_IN and P_SHIFT = 8, for its
+common case only (launch._dkdv_hopper says when): fp8 e4m3, Dqk = Dv in (64, 128) (PART 0: dK and dV in one launch),
+or D = 256 and MLA's Dqk = 192 / Dv = 128 on dense batches of N a multiple of 128 (launch.DKDV_HOPPER_WIDE_DIMS: PART
+1, dV alone, then PART 2, dK alone, as `_bwd_dkdv_kernel` splits them above D = 128: a warpgroup cannot hold both
+64 x 256 accumulators; q and k read in boxes of Dqk rounded up to a power of two, zeros past Dqk, dK's extra columns
+dropped), no window (HAS_WINDOW: a causal sliding window, with launch.HOPPER_WINDOW: the query tiles end at the last
+query whose window holds the program's last key, each warpgroup skips those past its own keys' windows and masks those
+the window's edge cuts), N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its
 sequences padded to multiples of 128 rows by kernels.segments, LSE2, delta and the dS scales where the dQ kernel put
 them; dK, dV to the packed rows; also a dense batch of N not a multiple of 128, each head one such sequence, causal
 or full: launch.HOPPER_RAGGED; padded keys are never stored, and padded query rows have P = 0 from their -inf LSE).
@@ -239,7 +242,8 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
                 dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max,
-                c_dv, diag | (m0 + BLOCK_M - 1 >= kb + window), s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, True, PART)
+                c_dv, diag | (m0 + BLOCK_M - 1 >= kb + window), s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, True,
+                PART)
     elif WGS == 2:  # the two query tiles that cross this program's diagonal: i < 2 (N = M: top-left = bottom-right)
         if DIAG == 2:
             masked = i < 2
@@ -253,8 +257,8 @@ def _step(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
         if i >= first:  # the diagonal tile is this warpgroup's first
             s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
                 k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
-                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv,
-                i == first, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False, PART)
+                dp_f, bh0 + g, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max,
+                c_dv, i == first, s_prev, window, CAUSAL, AHEAD, RESCALE_DV, PIPE, False, PART)
     else:  # three warpgroups, peeled: the caller skipped the tiles before `first`
         s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv = _tile(
             k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f,
@@ -486,12 +490,12 @@ def _bwd_dkdv_hopper_kernel(
         gl.warp_specialize([
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
+                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES,
+                              CAUSAL, VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
+                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES,
+                              CAUSAL, VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * DQK, bh0 * HEAD_DV, lo, n_q, N, GROUPS, DQK, HEAD_DV, STAGES, WGS, PART)),
@@ -509,16 +513,16 @@ def _bwd_dkdv_hopper_kernel(
         gl.warp_specialize([
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f, dp_f, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
+                              dss_tq, dss_tk, out_row, base + length, window, 0, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES,
+                              CAUSAL, VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f1, dp_f1, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
+                              dss_tq, dss_tk, out_row, base + length, window, 1, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES,
+                              CAUSAL, VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_mma_partition, (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar,
                               ready, empty, SQ, SDO, DSS, DK, DV, col_f2, dp_f2, softmax_scale, bh0, n0, lo, n_q, N,
-                              dss_tq, dss_tk, out_row, base + length, window, 2, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES, CAUSAL,
-                              VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
+                              dss_tq, dss_tk, out_row, base + length, window, 2, GROUPS, HEAD_D, HEAD_DV, DQK, STAGES,
+                              CAUSAL, VARLEN, WGS, PAIRS, PEEL, AHEAD, PIPE, HAS_WINDOW, PART)),
             (_loader, (k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_desc, k_smem, v_smem,
                        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, kv_bar, ready, empty, kv_row, bh0 * N,
                        bh0 * DQK, bh0 * HEAD_DV, lo, n_q, N, GROUPS, DQK, HEAD_DV, STAGES, WGS, PART)),
