@@ -20,7 +20,7 @@ Results go to <out>/attention-<date>-<gpu>.json and .md; the markdown is printed
   python benchmarks/attention.py --quick --qk-transforms --ops dm-fp8-matching,sdpa-cudnn
                                                  # + the cost of qk_rotation / smooth_k vs dm-fp8-matching
   python benchmarks/attention.py --shapes window4096,window128 --ops dm-fp8-matching,flex \
-      [--tune "{'hopper_window': True}"]        # sliding windows: the Triton kernels, or the Gluon ones
+      [--tune "{'hopper_window': False}"]       # sliding windows: the Gluon kernels, or the Triton ones
 
 Conventions (shared/ANCHORS.md): FLOPs fwd = 4*B*Hq*N^2*D (halved for causal; with a sliding window of W keys
 4*B*Hq*D times the (query, key) pairs it shows, W*N - W*(W-1)/2), bwd = 2.5x, fwd+bwd = 3.5x;
@@ -98,12 +98,13 @@ PRESETS = {
     "gptoss": Shape("gptoss", 2, 32, 4, 8192, 64, True),  # gpt-oss's head dim and 8:1 GQA (with --sinks)
     # N not a multiple of 128 (issue #32): the Gluon kernels' padded path (launch.HOPPER_RAGGED); B*N = 16000
     "ragged": Shape("ragged", 2, 16, 16, 8000, 128, True),
-    # sliding windows (issue #32): Mistral's 4096 and gpt-oss's 128 at 8K; the Gluon kernels with --tune
-    # "{'hopper_window': True}" (launch.HOPPER_WINDOW, off by default), the Triton kernels without
+    # sliding windows (issue #32): Mistral's 4096 and gpt-oss's 128 at 8K; the Gluon kernels (launch.HOPPER_WINDOW),
+    # the Triton kernels with --tune "{'hopper_window': False}"
     "window4096": Shape("window4096", 2, 16, 16, 8192, 128, True, 4096),
     "window128": Shape("window128", 2, 16, 16, 8192, 128, True, 128),
     # head dim 256 (Gemma 3, Qwen3-Next) and MLA's Dqk=192 / Dv=128 (DeepSeek-V3, Kimi Linear): the Gluon forward
-    # (launch.HOPPER_FWD_WIDE; the Triton one with --tune "{'hopper_fwd_wide': False}"), the Triton backward
+    # and dK/dV (launch.HOPPER_FWD_WIDE, HOPPER_DKDV_WIDE; the Triton ones with --tune "{'hopper_fwd_wide': False,
+    # 'hopper_dkdv_wide': False}"), the Triton dQ kernel
     "d256": Shape("d256", 2, 8, 8, 8192, 256, True),
     "mla": Shape("mla", 2, 16, 16, 8192, 192, True, Dv=128),
 }
@@ -906,8 +907,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="list the presets and exit")
     p.add_argument("--tune", default="{}",
-                   help="a hf_deltamatch.kernels.TUNE dict for the whole run, e.g. \"{'hopper_window': True}\" (the "
-                        "Gluon kernels' sliding windows, launch.HOPPER_WINDOW); recorded in the report")
+                   help="a hf_deltamatch.kernels.TUNE dict for the whole run, e.g. \"{'hopper_window': False}\" (the "
+                        "Triton kernels on sliding windows, launch.HOPPER_WINDOW); recorded in the report")
     return p.parse_args(argv)
 
 

@@ -48,7 +48,7 @@ SHAPES = {
     "packed-d64": (1, 32, 32, 32768, 64, True),
     # causal sliding windows (a 7th field, the window): variant shapes only (no SDPA baseline has a window; the
     # window presets of attention.py time Flex), e.g. --variant-shapes window128-d128 --variants
-    # "{};{'hopper_window': True}": which kernel the small window's time goes to
+    # "{};{'hopper_window': False}": which kernel the small window's time goes to, Gluon or Triton
     "window128-d128": (2, 16, 16, 8192, 128, True, 128),
     "window512-d128": (2, 16, 16, 8192, 128, True, 512),
     "window1024-d128": (2, 16, 16, 8192, 128, True, 1024),

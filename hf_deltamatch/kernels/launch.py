@@ -332,6 +332,8 @@ HOPPER_FWD_WIDE = True
 # The same head dims for the Gluon dK/dV kernel, after the Triton dQ kernel (which writes the dS tile scales and LSE2
 # it reads): two launches, dV alone then dK alone (_dkdv_parts: a warpgroup cannot hold both 64 x 256 accumulators,
 # nor MLA's 64 x 256 (Dqk 192 in a power-of-two box) and 64 x 128), two MMA warpgroups of 240 registers each.
+# On the H200 (Triton 3.6, causal, B2 N8192): 1.377 vs 2.421 ms for the Triton dK/dV kernels at D=256 H8 (0.57x),
+# 2.316 vs 4.572 for MLA at H16 (0.51x); tests/test_kernels_gpu.py::test_dkdv_hopper_wide passed.
 # TUNE["hopper_dkdv_wide"] (or TUNE["dkdv_hopper"]) = False turns it off.
 DKDV_HOPPER_WIDE_DIMS = ((256, 256), (192, 128))
 HOPPER_DKDV_WIDE = True
