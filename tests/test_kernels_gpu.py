@@ -692,8 +692,9 @@ def test_fwd_hopper_kernel(stages):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "mla"])
 def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
-    """The Gluon forward at D=256 and MLA's Dqk=192 / Dv=128 (TUNE hopper_fwd_wide; launch.FWD_HOPPER_WIDE_DIMS, off
-    by default) on dense batches, GQA and MHA, causal and full:
+    """The Gluon forward at D=256 and MLA's Dqk=192 / Dv=128 (TUNE hopper_fwd_wide; launch.FWD_HOPPER_WIDE_DIMS, on
+    by default) on dense batches, GQA and MHA, causal and full, with the Triton backward (TUNE hopper_dkdv_wide off:
+    test_dkdv_hopper_wide covers the Gluon dK/dV kernel there):
       - with the key the Gluon forward launches and the backward runs the Triton dQ and dK/dV kernels; without it
         nothing Gluon runs;
       - against the Triton forward on the same inputs: out within 1e-3 and LSE 1e-4 (test_fwd_hopper_kernel's bounds:
@@ -703,28 +704,36 @@ def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
         errors (the FP8 quantization dominates both, and is the same), and against the reference backend (_compare)
         within FP8_TOL, 2e-2 at N = 8192 (the QGMMA accumulation over N queries: test_hopper_ragged)."""
     skip_unless_gluon_triton()
-    Dqk, Dv = dims
     calls = _gluon_launches(monkeypatch)
-    B = 2 if N <= 2048 else 1
+    triton_bwd = dict(hopper_dkdv_wide=False)  # the Triton backward after either forward
     for Hq, Hkv in ((4, 2), (4, 4)):
-        q, k, v, do = _inputs(B, Hq, Hkv, N, N, Dqk, Dv, torch.bfloat16, seed=13)
-        kw = dict(causal=causal, softmax_scale=Dqk ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  config=DeltaMatchConfig())
+        q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=13)
         runs = {}
         for name, on in (("gluon", True), ("triton", False)):
             calls.clear()
-            runs[name] = _fwd_bwd_under(dict(hopper_fwd_wide=on), q, k, v, do, kw)
+            runs[name] = _fwd_bwd_under(dict(triton_bwd, hopper_fwd_wide=on), q, k, v, do, kw)
             # the comparison proves nothing unless the Gluon forward ran (dense: no segments), and only it
             assert calls == ([("fwd_hopper", None)] if on else []), calls
-        _check_gluon_vs_triton(runs, "WIDE FWD", f"N{N} D{Dqk}/{Dv} H{Hq}/{Hkv} {'causal' if causal else 'full'}",
-                               _exact(q, k, v, do, causal), lse_finite=True, same_strides=True, capped=False)
+        _check_gluon_vs_triton(runs, "WIDE FWD", tag, _exact(q, k, v, do, causal), lse_finite=True, same_strides=True,
+                               capped=False)
     calls.clear()
-    K.TUNE.update(hopper_fwd_wide=True)
+    K.TUNE.update(triton_bwd, hopper_fwd_wide=True)
     try:  # the Gluon forward's own saved tensors through the Triton backward, against the reference
-        _compare(B=B, Hq=4, Hkv=2, N=N, Dqk=Dqk, Dv=Dv, causal=causal, tol=2e-2 if N > 4096 else None)
+        _compare(B=2 if N <= 2048 else 1, Hq=4, Hkv=2, N=N, Dqk=dims[0], Dv=dims[1], causal=causal,
+                 tol=2e-2 if N > 4096 else None)
     finally:
         K.TUNE.clear()
     assert [c for c, _ in calls] == ["fwd_hopper"], calls
+
+
+def _wide_case(dims, causal, N, Hq, Hkv, seed):
+    """(q, k, v, do, the kernels' keyword arguments, a tag) of a dense causal or full batch at head dims `dims`
+    ((Dqk, Dv)) and N tokens: B = 2 up to N = 2048, else 1."""
+    Dqk, Dv = dims
+    q, k, v, do = _inputs(2 if N <= 2048 else 1, Hq, Hkv, N, N, Dqk, Dv, torch.bfloat16, seed=seed)
+    kw = dict(causal=causal, softmax_scale=Dqk ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
+              config=DeltaMatchConfig())
+    return q, k, v, do, kw, f"N{N} D{Dqk}/{Dv} H{Hq}/{Hkv} {'causal' if causal else 'full'}"
 
 
 @pytest.mark.parametrize("N", [2048, 8192])
@@ -742,13 +751,9 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
       - against exact float64 attention within 5 % + 1e-3 of the Triton kernels' errors, and against the reference
         backend (_compare) within FP8_TOL, 2e-2 at N = 8192."""
     skip_unless_gluon_triton()
-    Dqk, Dv = dims
     calls = _gluon_launches(monkeypatch)
-    B = 2 if N <= 2048 else 1
     for Hq, Hkv in ((4, 2), (4, 4)):
-        q, k, v, do = _inputs(B, Hq, Hkv, N, N, Dqk, Dv, torch.bfloat16, seed=19)
-        kw = dict(causal=causal, softmax_scale=Dqk ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                  config=DeltaMatchConfig())
+        q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=19)
         runs = {}
         for name, tune in (("gluon", {}), ("unpaired", dict(dkdv_hopper_pairs=False, dkdv_hopper_peel=False)),
                            ("triton", dict(hopper_dkdv_wide=False))):
@@ -756,13 +761,14 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
             runs[name] = _fwd_bwd_under(tune, q, k, v, do, kw)
             assert calls == [("fwd_hopper", None)] + ([("dkdv_hopper", None)] if name != "triton" else []), calls
         assert torch.equal(runs["gluon"][1][0], runs["triton"][1][0])  # dQ: the same Triton kernel
-        tag, exact = f"N{N} D{Dqk}/{Dv} H{Hq}/{Hkv} {'causal' if causal else 'full'}", _exact(q, k, v, do, causal)
+        exact = _exact(q, k, v, do, causal)
         _check_gluon_vs_triton(dict(gluon=runs["gluon"], triton=runs["triton"]), "WIDE DKDV", tag, exact,
                                lse_finite=True, same_strides=True, capped=False, dv_tol=3e-3)
         _check_gluon_vs_triton(dict(gluon=runs["unpaired"], triton=runs["triton"]), "WIDE DKDV UNPAIRED", tag, exact,
                                lse_finite=True, same_strides=True, capped=False)
     calls.clear()
-    _compare(B=B, Hq=4, Hkv=2, N=N, Dqk=Dqk, Dv=Dv, causal=causal, tol=2e-2 if N > 4096 else None)
+    _compare(B=2 if N <= 2048 else 1, Hq=4, Hkv=2, N=N, Dqk=dims[0], Dv=dims[1], causal=causal,
+             tol=2e-2 if N > 4096 else None)
     # one forward, then backwards from the reference's saved tensors and from the kernels' own
     assert [c for c, _ in calls] == ["fwd_hopper", "dkdv_hopper", "dkdv_hopper"], calls
 
