@@ -90,13 +90,21 @@ def _loader(k_desc, v_desc, q_desc, qt_desc, do_desc, dot_desc, lse_desc, delta_
         mbarrier.expect(bar, tile_bytes)
         row = q_row0 + g * N + m0
         tma_load(q_desc, [row, 0], bar, q_smem.index(s))
-        tma_load(lse_desc, [row], bar, lse_smem.index(s))
-        if PART != 1:
+        # the issue order of the kernels as timed and GPU-tested (PART 0 at D 64/128; the two wide launches)
+        if PART == 0:
             tma_load(do_desc, [row, 0], bar, do_smem.index(s))
             tma_load(qt_desc, [qt_row0 + g * DQK, m0], bar, qt_smem.index(s))
-            tma_load(delta_desc, [row], bar, delta_smem.index(s))
-        if PART != 2:
             tma_load(dot_desc, [dot_row0 + g * HEAD_DV, m0], bar, dot_smem.index(s))
+            tma_load(lse_desc, [row], bar, lse_smem.index(s))
+            tma_load(delta_desc, [row], bar, delta_smem.index(s))
+        else:
+            tma_load(lse_desc, [row], bar, lse_smem.index(s))
+            if PART == 2:
+                tma_load(do_desc, [row, 0], bar, do_smem.index(s))
+                tma_load(qt_desc, [qt_row0 + g * DQK, m0], bar, qt_smem.index(s))
+                tma_load(delta_desc, [row], bar, delta_smem.index(s))
+            else:
+                tma_load(dot_desc, [dot_row0 + g * HEAD_DV, m0], bar, dot_smem.index(s))
 
 
 @gluon.jit
@@ -391,10 +399,29 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                 CAUSAL, WGS, True, AHEAD, DIAG, PIPE, HAS_WINDOW, PART)
     if PIPE:  # the last tile's dK MMA
         dk = _last_dk(dp_acc, dk, qt_smem, empty, s_prev, d_layout)
-    if PART != 2:
+    if PART == 0:
+        _store_both(DK, DV, dk * (c_dk * softmax_scale), dv * c_dv, out_row, kb, key_end, VARLEN or WGS != 2)
+    elif PART == 1:
         _store_rows(DV, dv * c_dv, out_row, kb, key_end, HEAD_DV, VARLEN or WGS != 2)
-    if PART != 1:
+    else:
         _store_rows(DK, dk * (c_dk * softmax_scale), out_row, kb, key_end, DQK, VARLEN or WGS != 2)
+
+
+@gluon.jit
+def _store_both(DK, DV, dk, dv, out_row, kb, key_end, KEY_MASK: gl.constexpr):
+    """PART 0: a warpgroup's 64 rows of dK and dV (Dqk = Dv: one set of offsets) at rows out_row + kb .. of DK and DV;
+    KEY_MASK: only the keys before key_end (a padded sequence's end)."""
+    layout: gl.constexpr = dk.type.layout
+    keys = kb + gl.arange(0, 64, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, dk.shape[1], gl.SliceLayout(0, layout))
+    offs = (out_row + keys).to(gl.int64)[:, None] * dk.shape[1] + cols[None, :]
+    if KEY_MASK:
+        mask = (keys < key_end)[:, None]
+        gl.store(DK + offs, dk.to(DK.dtype.element_ty), mask=mask)
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=mask)
+    else:
+        gl.store(DK + offs, dk.to(DK.dtype.element_ty))
+        gl.store(DV + offs, dv.to(DV.dtype.element_ty))
 
 
 @gluon.jit
@@ -458,7 +485,8 @@ def _bwd_dkdv_hopper_kernel(
     dp_f = gl.load(SV + kv_row)
 
     # the buffers a PART does not read are not allocated (at D = 256 all of them need 256 KB): their names stand for
-    # buffers that are (never read)
+    # buffers that are (never read). The allocation order is the one the kernels were timed and GPU-tested with (it
+    # sets the shared-memory offsets, and so the SASS): PART 0 at D 64/128, and the two wide launches
     if WGS == 2:
         k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
         if PART == 1:
@@ -469,19 +497,25 @@ def _bwd_dkdv_hopper_kernel(
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [WGS] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [WGS] + v_desc.block_type.shape, v_desc.layout)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
-    if PART == 1:
-        do_smem = q_smem
-        qt_smem = q_smem
-        delta_smem = lse_smem
-    else:
+    if PART == 0:
         do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
         qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
-        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
-    if PART == 2:
-        dot_smem = q_smem
-    else:
         dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape, dot_desc.layout)
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
+    else:
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
+        if PART == 1:
+            do_smem = q_smem
+            qt_smem = q_smem
+            delta_smem = lse_smem
+            dot_smem = gl.allocate_shared_memory(dot_desc.dtype, [STAGES] + dot_desc.block_type.shape,
+                                                 dot_desc.layout)
+        else:
+            do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+            qt_smem = gl.allocate_shared_memory(qt_desc.dtype, [STAGES] + qt_desc.block_type.shape, qt_desc.layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], ROW_LAYOUT)
+            dot_smem = q_smem
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     ready, empty = _ring_barriers(STAGES, WGS)
