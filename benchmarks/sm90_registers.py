@@ -118,12 +118,13 @@ def gluon_signature(fn, constexprs, d, dqk=None):
     n, m = H.KEYS_PER_PROGRAM, H.QUERIES_PER_TILE
     qb = m if fn.__name__ == "_fwd_hopper_kernel" else 2 * m  # q's box per load: a warpgroup's rows, or dQ's program
     kb = n if constexprs.get("WGS", 2) == 2 else 64  # the dK/dV kernel's k and v boxes per load
-    dv = constexprs.get("HEAD_DV", d)  # the dK/dV kernel's Dv (its HEAD_D: Dqk's box)
+    dv = constexprs.get("HEAD_DV", d)  # the dK/dV and dQ kernels' Dv (their HEAD_D: Dqk's box)
+    cols = constexprs.get("DQ_COLS", d)  # the dQ kernel's columns of dQ per launch
     boxes = {  # per kernel: descriptor -> box
         "_bwd_dkdv_hopper_kernel": {"k_desc": (kb, d), "v_desc": (kb, dv), "q_desc": (m, d), "do_desc": (m, dv),
                                     "qt_desc": (d, m), "dot_desc": (dv, m)},
-        "_bwd_dq_hopper_kernel": {"q_desc": (qb, d), "do_desc": (qb, d), "k_desc": (n, d), "v_desc": (n, d),
-                                  "kt_desc": (d, n)},
+        "_bwd_dq_hopper_kernel": {"q_desc": (qb, d), "do_desc": (qb, dv), "k_desc": (n, d), "v_desc": (n, dv),
+                                  "kt_desc": (cols, n)},
         "_fwd_hopper_kernel": {"q_desc": (qb, dqk), "k_desc": (n, dqk), "vt_desc": (d, n)},
     }[fn.__name__]
     sig = {}
@@ -483,7 +484,8 @@ def main():
     p.add_argument("--operands", action="store_true",
                    help="the Gluon dK/dV kernel (hopper): check its MMAs' operands tile by tile (check_dkdv_operands)")
     p.add_argument("--part", type=int, choices=(0, 1, 2), help="the Gluon dK/dV kernel's PART (0 both, 1 dV alone, 2 "
-                   "dK alone); default: launch's last (2 above D = 128)")
+                   "dK alone) and the Gluon dQ kernel's HALF (0 all of dQ's columns, 1 the first half with the "
+                   "correction pass, 2 the second); default: launch's last (2 above D = 128)")
     p.add_argument("--dkdv-pipe", choices=("on", "fresh", "off"),
                    help="the Gluon dK/dV kernel's pipelined dK MMA (dkdv_hopper.pipe_mode 1), with a fresh dP^T "
                         "accumulator (2), or off, whatever launch.py would choose")
@@ -557,11 +559,15 @@ def main():
                                                             HAS_WINDOW=args.window), 4, 1)
         if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
             from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
-            cfg = KL._dq_hopper_cfg(args.d, causal, padded=args.varlen)
+            dv = args.dv or args.d
+            cfg = KL._dq_hopper_cfg(max(args.d, dv), causal, padded=args.varlen)
+            box = 1 << (args.d - 1).bit_length()
+            half = args.part if args.part is not None else cfg["halves"][-1]  # --part: the column half (0: all)
             jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
-                GROUPS=args.groups, HEAD_D=args.d, CAUSAL=causal, STAGES=cfg["stages"],
-                SCALE_AFTER_SUM=KL._scale_after_sum(args.d), FMAX=448.0, POW2=False, ROW_SUMS=False,
-                VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"], HAS_WINDOW=args.window), 4, 1)
+                GROUPS=args.groups, HEAD_D=box, CAUSAL=causal, STAGES=cfg["stages"],
+                SCALE_AFTER_SUM=KL._scale_after_sum(max(args.d, dv)), FMAX=448.0, POW2=False, ROW_SUMS=False,
+                VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"], HAS_WINDOW=args.window, DQK=args.d,
+                HEAD_DV=dv, DQ_COLS=box if half == 0 else box // 2, HALF=half), 4, 1)
         if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py); HEAD_D is Dv
             from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
             dv = args.dv or args.d

@@ -647,6 +647,47 @@ def test_gluon_forward_wide_dims_dispatch(monkeypatch):
 
 
 
+def test_gluon_dq_wide_dims_dispatch(monkeypatch):
+    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DQ_HOPPER_WIDE_DIMS): off by default
+    (HOPPER_DQ_WIDE, until its GPU test passes), with the dispatch log's reason; TUNE["hopper_dq_wide"] = True turns
+    it on for dense batches of N a multiple of 128 (not varlen, windows, ragged N, the stale delta); its launch config:
+    dQ's columns in two launches (halves (1, 2)), DQ_HOPPER_WIDE_STAGES, no pipelined pass 2, even on the full mask.
+    Host logic with the capability and Triton version faked (tests/test_kernels_gpu.py::test_dq_hopper_wide runs it)."""
+    import types
+
+    import triton
+
+    monkeypatch.setattr(KL, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
+    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+    dev = types.SimpleNamespace(type="cuda")
+    case = dict(fp8=True, e4m3=True, block=128, varlen=False, window=None, n=8192, m=8192, device=dev, causal=True,
+                lse2_in=True, p_shift=8)
+
+    def on(dqk, dv, stale=False, **change):
+        return KL._dq_hopper(max(dqk, dv), stale=stale, **{**case, "dqk": dqk, "dv": dv, **change})
+
+    assert not KL.HOPPER_DQ_WIDE
+    try:
+        for dqk, dv in KL.DQ_HOPPER_WIDE_DIMS:
+            d = max(dqk, dv)
+            assert not on(dqk, dv)
+            assert "HOPPER_DQ_WIDE" in KL._hopper_why_not(**{**case, "dqk": dqk, "dv": dv}, wide="dq")
+            K.TUNE["hopper_dq_wide"] = True
+            for causal in (True, False):
+                assert on(dqk, dv, causal=causal)
+                cfg = KL._dq_hopper_cfg(d, causal)
+                assert (cfg["halves"], cfg["pipe"], cfg["stages"]) == ((1, 2), False, KL.DQ_HOPPER_WIDE_STAGES), cfg
+            for change in (dict(varlen=True, packed=True), dict(window=512), dict(n=8000, m=8000), dict(fp8=False)):
+                assert not on(dqk, dv, **change), change
+            assert not on(dqk, dv, stale=True)
+            K.TUNE.clear()
+        assert KL._dq_hopper_cfg(128, False)["halves"] == (0,) and KL._dq_hopper_cfg(128, False)["pipe"]
+    finally:
+        K.TUNE.clear()
+
+
 def test_gluon_dkdv_wide_dims_dispatch(monkeypatch):
     """The Gluon dK/dV kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DKDV_HOPPER_WIDE_DIMS, HOPPER_DKDV_WIDE):
     on by default after the Triton dQ kernel, on dense batches of N = M a multiple of 128 (causal or full, GQA or not);

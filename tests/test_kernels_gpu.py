@@ -773,6 +773,40 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
     assert [c for c, _ in calls] == ["fwd_hopper", "dkdv_hopper", "dkdv_hopper"], calls
 
 
+@pytest.mark.parametrize("N", [2048, 8192])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "mla"])
+def test_dq_hopper_wide(dims, causal, N, monkeypatch):
+    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DQ_HOPPER_WIDE_DIMS, TUNE hopper_dq_wide: dQ's
+    columns in two launches, the second reading the first's delta) on dense batches, GQA and MHA, causal and full:
+      - with the key the Gluon forward, dQ and dK/dV kernels launch, without it the forward and dK/dV only;
+      - against the Triton dQ kernel on the same inputs and forward (_check_gluon_vs_triton): dQ, dK, dV and delta
+        within 1e-3 or apart in isolated rows: the same 128-key steps and roundings, in another order (dK and dV come
+        from the same Gluon kernel in both runs, with the dS scales and LSE2 of either dQ kernel);
+      - against exact float64 attention within 5 % + 1e-3 of the Triton kernels' errors, and against the reference
+        backend (_compare) within FP8_TOL, 2e-2 at N = 8192."""
+    skip_unless_gluon_triton()
+    calls = _gluon_launches(monkeypatch)
+    for Hq, Hkv in ((4, 2), (4, 4)):
+        q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=23)
+        runs = {}
+        for name, on in (("gluon", True), ("triton", False)):
+            calls.clear()
+            runs[name] = _fwd_bwd_under(dict(hopper_dq_wide=on), q, k, v, do, kw, return_delta=True)
+            want = ["fwd_hopper", "dq_hopper", "dkdv_hopper"] if on else ["fwd_hopper", "dkdv_hopper"]
+            assert [c for c, _ in calls] == want, calls
+        _check_gluon_vs_triton(runs, "WIDE DQ", tag, _exact(q, k, v, do, causal), lse_finite=True, same_strides=True,
+                               capped=False)
+    calls.clear()
+    K.TUNE.update(hopper_dq_wide=True)
+    try:
+        _compare(B=2 if N <= 2048 else 1, Hq=4, Hkv=2, N=N, Dqk=dims[0], Dv=dims[1], causal=causal,
+                 tol=2e-2 if N > 4096 else None)
+    finally:
+        K.TUNE.clear()
+    assert [c for c, _ in calls] == ["fwd_hopper", "dq_hopper", "dkdv_hopper", "dq_hopper", "dkdv_hopper"], calls
+
+
 def test_fwd_hopper_wide_stages(monkeypatch):
     """At D=256 a ring of three stages fits the SM's shared memory too (229664 of its 232448 bytes; launch keeps
     FWD_HOPPER_WIDE_STAGES = 2 until timed): the same output and LSE bit for bit (the ring's depth changes no

@@ -271,6 +271,25 @@ def test_gluon_dkdv_wide_compiles_for_sm90(dims, part):
     assert int(re.search(r"spill=(\d+)B", ln).group(1)) <= allowed, ln
 
 
+@pytest.mark.parametrize("dims", [["--d", "256"], ["--d", "256", "--full"], ["--d", "192", "--dv", "128"]],
+                         ids=["d256", "d256-full", "mla"])
+@pytest.mark.parametrize("half", ["1", "2"])
+def test_gluon_dq_wide_compiles_for_sm90(dims, half):
+    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DQ_HOPPER_WIDE_DIMS), each of its two launches
+    (HALF 1: the correction pass and dQ's first 128 columns; HALF 2: the last 128, delta read), compiles for sm_90:
+    its dQ MMAs 128 wide (as at D=128), no serialized wgmma, within the SM's 227 KB of shared memory (229712 bytes at
+    D=256 with 2 stages), and spills: none with Triton 3.6 (the Gluon kernels' version), at most 8 bytes with 3.9."""
+    import triton
+    stdout = _compile("--kernels", "hopper_dq", "--part", half, *dims)
+    rows = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    assert len(rows) == 1, stdout
+    ln = rows[0]
+    assert "wgmma serialized: no" in ln and "QGMMA.64x128x32.F32.E4M3.E4M3" in ln and "64x256" not in ln, ln
+    assert int(re.search(r"smem=(\d+)", ln).group(1)) <= 227 * 1024, ln
+    allowed = 0 if triton.__version__.startswith("3.6") else 8
+    assert int(re.search(r"spill=(\d+)B", ln).group(1)) <= allowed, ln
+
+
 def test_hash_records_the_wide_forward():
     """--hash's cases behind TUNE["hopper_fwd_wide"] (D=256, MLA's 192/128): the Gluon forward launches (two
     warpgroups at Dv = 256, three at Dv = 128; HEAD_D is Dv), then the Triton dQ kernel and the Gluon dK/dV kernel

@@ -8,7 +8,9 @@ released, the edge's masked), N = M a multiple of 128, causal or full, any GQA g
 batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, as LSE, delta, LSE2 and the dS
 scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows; also a dense
 batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N) full:
-launch.HOPPER_RAGGED).
+launch.HOPPER_RAGGED); or, in two launches over dQ's column halves (HALF 1, 2: launch.DQ_HOPPER_WIDE_DIMS, off until
+GPU-tested), D = 256 and MLA's Dqk = 192 / Dv = 128 on dense batches, q and k read in boxes of Dqk rounded up to a power
+of two: the first launch runs the correction pass and stores delta, LSE2 and the dS scales, the second reads delta.
 
 Why: `_bwd_dq_kernel` at D=128 takes 116 KB of shared memory, so one warpgroup runs per SM and nothing
 overlaps its softmax. Here a program covers 128 queries: the loader (1 warp) streams each key tile once for
@@ -48,22 +50,24 @@ def _first_tile(q0, window, HAS_WINDOW: gl.constexpr):
 @gluon.jit
 def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
             qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, q0, n_k, window, STAGES: gl.constexpr,
-            HEAD_D: gl.constexpr, HAS_WINDOW: gl.constexpr):
-    mbarrier.expect(qo_bar, 2 * q_desc.block_type.nbytes)
+            HEAD_D: gl.constexpr, HAS_WINDOW: gl.constexpr, HALF: gl.constexpr):
+    """HALF 2 (the second half of dQ's columns, launch._dq_hopper_cfg): pass 2's loads only (delta is read)."""
+    mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
     tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
     lo = _first_tile(q0, window, HAS_WINDOW)
     n_t = n_k - lo  # key tiles lo .. n_k - 1
-    for u in range(2 * n_t):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
+    u0 = n_t if HALF == 2 else 0  # HALF 2: no pass 1
+    for u in range(u0, 2 * n_t):  # pass 1: k8, v8 of each key tile; pass 2: the same and k8^T
         j = lo + u % n_t
-        s = u % STAGES
+        s = (u - u0) % STAGES
         # a fresh barrier counts as having completed the phase before its first: parity 1 passes at once
-        mbarrier.wait(empty.index(s), ((u // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(s), (((u - u0) // STAGES) & 1) ^ 1)
         bar = ready.index(s)
         if u < n_t:
-            mbarrier.expect(bar, 2 * k_desc.block_type.nbytes)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         else:
-            mbarrier.expect(bar, 3 * k_desc.block_type.nbytes)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes + kt_desc.block_type.nbytes)
         tma_load(k_desc, [kv_row + j * BLOCK_N, 0], bar, k_smem.index(s))
         tma_load(v_desc, [kv_row + j * BLOCK_N, 0], bar, v_smem.index(s))
         if u >= n_t:
@@ -239,9 +243,10 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
                    dss_row, dss_tk, dss_col0, out0, length, window, WG: gl.constexpr, HEAD_D: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr,
                    POW2: gl.constexpr, ROW_SUMS: gl.constexpr, VARLEN: gl.constexpr, PINGPONG: gl.constexpr,
-                   PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr):
+                   PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr, DQK: gl.constexpr, DQ_COLS: gl.constexpr,
+                   HALF: gl.constexpr):
     s_layout: gl.constexpr = mma_layout(BLOCK_N)
-    d_layout: gl.constexpr = mma_layout(HEAD_D)
+    d_layout: gl.constexpr = mma_layout(DQ_COLS)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     q_sub = q_smem.slice(WG * 64, 64)
     do_sub = do_smem.slice(WG * 64, 64)
@@ -279,7 +284,11 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     if PINGPONG:
         if WG == 1:  # warpgroup 0 issues first
             pass_turn(WG)
-    if HAS_WINDOW:  # pass 1 on the window's tiles: the ones before j0 released, the edge's masked
+    p2 = n_k  # the ring's first load of pass 2 (dense, no window)
+    if HALF == 2:  # dQ's second column half: delta from the first half's launch, no pass 1
+        p2 = 0
+        delta = gl.load(DELTA + row0 + rows)
+    elif HAS_WINDOW:  # pass 1 on the window's tiles: the ones before j0 released, the edge's masked
         _skip(ready, empty, 0, j0 - lo, STAGES, WG, PINGPONG)
         for j in range(j0, edge):
             s_acc, dp_acc, delta, sk_t, sv_t = _delta_tile(
@@ -308,7 +317,7 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
                 q_sub, do_sub, k_smem, v_smem, ready, empty, n_plain, n_plain, SK, SV, kv_row, n_k, row_f, dp_f, lse2,
                 rows * 0 + (length - 1), s_acc, dp_acc, delta, sk_t, sv_t, 0, window, True, STAGES, SCALE_AFTER_SUM,
                 WG, PINGPONG, False)
-    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, d_layout)
+    dq = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, d_layout)
     rs = gl.zeros([BLOCK_M], gl.float32, row_layout)  # ROW_SUMS: sum_j dS_ij and sum_j |dS_ij| (the invariant)
     ra = gl.zeros([BLOCK_M], gl.float32, row_layout)
     c_dq = softmax_scale * 0.0 + 1.0  # dq is kept in units of c_dq (sds * sk of the last key tile: _dq_units)
@@ -348,17 +357,17 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     else:
         for j in range(n_plain):  # pass 2: dS and dQ
             s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_k + j, j, n_k, SK, SV, DSS, kv_row, dss_at,
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, p2 + j, j, n_k, SK, SV, DSS, kv_row, dss_at,
                 row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, window, False,
                 STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, False)
         if CAUSAL:
             s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_k + n_plain, n_plain, n_k, SK, SV, DSS,
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, p2 + n_plain, n_plain, n_k, SK, SV, DSS,
                 kv_row, dss_at, row_f, dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t,
                 window, True, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, False)
         if TAIL:
             s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t = _dq_tile(
-                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, n_k + n_plain, n_plain, n_k, SK, SV, DSS,
+                q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, p2 + n_plain, n_plain, n_k, SK, SV, DSS,
                 kv_row, dss_at, row_f, dp_f, lse2, delta, rows * 0 + (length - 1), s_acc, dp_acc, dq, c_dq, c_max, rs,
                 ra, sk_t, sv_t, window, True, STAGES, FMAX, POW2, ROW_SUMS, WG, PINGPONG, False)
     if PINGPONG:
@@ -366,17 +375,21 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
             wait_turn(WG)
     dq = dq * (c_dq * softmax_scale)
     drows = r0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, d_layout))
-    dcols = gl.arange(0, HEAD_D, gl.SliceLayout(0, d_layout))
-    dptrs = DQ + (out0 + drows).to(gl.int64)[:, None] * HEAD_D + dcols[None, :]
+    dcols = gl.arange(0, DQ_COLS, gl.SliceLayout(0, d_layout))
+    col0: gl.constexpr = DQ_COLS if HALF == 2 else 0  # this launch's first column of dQ
+    dptrs = DQ + (out0 + drows).to(gl.int64)[:, None] * DQK + (col0 + dcols)[None, :]
     if VARLEN:  # the sequence's rows only
         gl.store(dptrs, dq.to(DQ.dtype.element_ty), mask=(drows < length)[:, None])
+    elif col0 + DQ_COLS > DQK:  # MLA's second half: Dqk = 192 in a 256-wide box
+        gl.store(dptrs, dq.to(DQ.dtype.element_ty), mask=(col0 + dcols < DQK)[None, :])
     else:
         gl.store(dptrs, dq.to(DQ.dtype.element_ty))
-    gl.store(DELTA + row0 + rows, delta)
-    gl.store(LSE2 + row0 + rows, lse2 - 8.0)  # for the dK/dV kernel: its exp2 then yields P * 256
-    if ROW_SUMS:
-        gl.store(RS + row0 + rows, rs)
-        gl.store(RA + row0 + rows, ra)
+    if HALF != 2:  # the second half recomputed these: the first half's launch wrote them
+        gl.store(DELTA + row0 + rows, delta)
+        gl.store(LSE2 + row0 + rows, lse2 - 8.0)  # for the dK/dV kernel: its exp2 then yields P * 256
+        if ROW_SUMS:
+            gl.store(RS + row0 + rows, rs)
+            gl.store(RA + row0 + rows, ra)
 
 
 @gluon.jit
@@ -385,9 +398,15 @@ def _bwd_dq_hopper_kernel(
     Hq, Hkv, N, softmax_scale, n_tiles, head_group, dss_tq, dss_tk, CU, PCU, N_OUT, window,
     GROUPS: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     SCALE_AFTER_SUM: gl.constexpr, FMAX: gl.constexpr, POW2: gl.constexpr, ROW_SUMS: gl.constexpr,
-    VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr,
+    VARLEN: gl.constexpr, PINGPONG: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr, DQK: gl.constexpr,
+    HEAD_DV: gl.constexpr, DQ_COLS: gl.constexpr, HALF: gl.constexpr,
 ):
+    # HEAD_D: q's and k's box width (Dqk rounded up to a power of two), DQK: Dqk (dQ's row length), HEAD_DV: Dv;
+    # HALF 0: all of dQ's columns (DQ_COLS = HEAD_D); 1 and 2: its first and second DQ_COLS = HEAD_D / 2 columns in
+    # two launches (the wide dims: launch._dq_hopper_cfg), the second reading the first's delta
     gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (launch._hopper_why_not)")
+    gl.static_assert(HALF == 0 or not (PIPE or VARLEN or HAS_WINDOW), "dQ in column halves: dense batches, no window, "
+                                                                       "no pipelined pass 2 (launch._dq_hopper_cfg)")
     gl.static_assert(not (PIPE and CAUSAL), "the pipelined pass 2 is the full mask's (launch._dq_hopper_cfg)")
     gl.static_assert(not (PIPE and VARLEN), "the pipelined pass 2 masks no key tail (launch._dq_hopper_cfg)")
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
@@ -421,32 +440,39 @@ def _bwd_dq_hopper_kernel(
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0, kv_row, n_k, dss_row, dss_tk,
                           dss_col0, out0, length, window, 0, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX, POW2,
-                          ROW_SUMS, VARLEN, PINGPONG, PIPE, HAS_WINDOW)),
+                          ROW_SUMS, VARLEN, PINGPONG, PIPE, HAS_WINDOW, DQK, DQ_COLS, HALF)),
         (_mma_partition, (q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empty, SQ, SK, SV, SDO, LSE, DQ,
                           DELTA, LSE2, DSS, RS, RA, softmax_scale, row0, q0 + BLOCK_M, kv_row, n_k, dss_row + 1,
                           dss_tk, dss_col0, out0, length, window, 1, HEAD_D, STAGES, CAUSAL, SCALE_AFTER_SUM, FMAX,
-                          POW2, ROW_SUMS, VARLEN, PINGPONG, PIPE, HAS_WINDOW)),
+                          POW2, ROW_SUMS, VARLEN, PINGPONG, PIPE, HAS_WINDOW, DQK, DQ_COLS, HALF)),
         (_loader, (q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready,
-                   empty, row0 + q0, kv_row, kvh * HEAD_D, base, q0, n_k, window, STAGES, HEAD_D, HAS_WINDOW)),
+                   empty, row0 + q0, kv_row, kvh * DQK + (DQ_COLS if HALF == 2 else 0), base, q0, n_k, window, STAGES,
+                   HEAD_D, HAS_WINDOW, HALF)),
     ], [4, 1], [240, 24])
 
 
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
               dss_tq, dss_tk, grid, n_tiles, head_group, stages, pingpong, scale_after_sum, fmax, pow2, row_sums,
-              pipe=False, segments=None, window=None):
+              pipe=False, halves=(0,), segments=None, window=None):
     """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
     the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
     tensor but dq in its padded layout. window: a causal sliding window (launch.HOPPER_WINDOW), each query's keys
-    in (pos - window, pos]."""
-    B, Hq, N, D = q8.shape
-    Hkv = k8.shape[1]
+    in (pos - window, pos]. halves: (0,) one launch for all of dQ's columns, or (1, 2) one per half of them (D = 256
+    and MLA's Dqk = 192 / Dv = 128, dense: launch._dq_hopper_cfg), the first with the correction pass. q and k are read
+    in boxes of Dqk rounded up to a power of two (zeros past Dqk), v and dO in boxes of Dv."""
+    B, Hq, N, dqk = q8.shape
+    Hkv, dv = k8.shape[1], v8.shape[3]
+    box = 1 << (dqk - 1).bit_length()  # Gluon's blocks are powers of two
+    cols = box if halves == (0,) else box // 2  # dQ's columns per launch
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
-    _bwd_dq_hopper_kernel[grid](
-        _desc(q8, [QUERIES_PER_PROGRAM, D]), _desc(do8, [QUERIES_PER_PROGRAM, D]), _desc(k8, [KEYS_PER_PROGRAM, D]),
-        _desc(v8, [KEYS_PER_PROGRAM, D]), _desc(k8t, [D, KEYS_PER_PROGRAM]), sq, sk, sv, sdo, lse, dq, delta, lse2,
-        dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
-        int(window) if window is not None else 0,
-        GROUPS=Hq // Hkv, HEAD_D=D, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
-        FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong), PIPE=bool(pipe),
-        HAS_WINDOW=window is not None, num_warps=4,
-    )
+    descs = (_desc(q8, [QUERIES_PER_PROGRAM, box]), _desc(do8, [QUERIES_PER_PROGRAM, dv]),
+             _desc(k8, [KEYS_PER_PROGRAM, box]), _desc(v8, [KEYS_PER_PROGRAM, dv]), _desc(k8t, [cols, KEYS_PER_PROGRAM]))
+    for half in halves:
+        _bwd_dq_hopper_kernel[grid](
+            *descs, sq, sk, sv, sdo, lse, dq, delta, lse2,
+            dss, rs, ra, Hq, Hkv, N, float(softmax_scale), n_tiles, head_group, dss_tq, dss_tk, cu, pcu, dq.shape[2],
+            int(window) if window is not None else 0,
+            GROUPS=Hq // Hkv, HEAD_D=box, STAGES=stages, CAUSAL=bool(causal), SCALE_AFTER_SUM=scale_after_sum,
+            FMAX=fmax, POW2=pow2, ROW_SUMS=row_sums, VARLEN=segments is not None, PINGPONG=int(pingpong),
+            PIPE=bool(pipe), HAS_WINDOW=window is not None, DQK=dqk, HEAD_DV=dv, DQ_COLS=cols, HALF=half, num_warps=4,
+        )

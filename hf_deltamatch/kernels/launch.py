@@ -19,15 +19,16 @@ from ._fp8 import INTERPRET
 # Gluon kernels: "fwd_hopper" / "dq_hopper" / "dkdv_hopper" (on / off), their "_stages", "dkdv_hopper_wgs"
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
 # on packed batches), "hopper_ragged" (on dense batches of N not a multiple of 128), "hopper_window" (on causal
-# sliding windows), "hopper_fwd_wide" (the Gluon forward at FWD_HOPPER_WIDE_DIMS) and "hopper_dkdv_wide" (the Gluon
-# dK/dV kernel at DKDV_HOPPER_WIDE_DIMS). The q/k quantization pass
+# sliding windows), "hopper_fwd_wide" (the Gluon forward at FWD_HOPPER_WIDE_DIMS), "hopper_dkdv_wide" (the Gluon
+# dK/dV kernel at DKDV_HOPPER_WIDE_DIMS) and "hopper_dq_wide" (the Gluon dQ kernel at DQ_HOPPER_WIDE_DIMS). The q/k quantization pass
 # with the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where its default is
 # defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
               "fwd_hopper", "fwd_hopper_stages", "dkdv_hopper_wgs", "dkdv_hopper_pipe", "hopper_packed",
-              "hopper_ragged", "hopper_window", "hopper_fwd_wide", "hopper_dkdv_wide", "quantize_rotate"}
+              "hopper_ragged", "hopper_window", "hopper_fwd_wide", "hopper_dkdv_wide", "hopper_dq_wide",
+              "quantize_rotate"}
              | {f"{k}_maxnreg" for k in ("fwd", "dq", "dkdv")})
 
 
@@ -277,8 +278,8 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     TUNE["hopper_ragged"]; under the full mask HOPPER_RAGGED_FULL too), or a packed batch they take (packed: varlen,
     causal, cu_seqlens_q = cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested
     Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes
-    only for inputs the Gluon kernels would otherwise take. wide: "forward" or "dkdv", a kernel that also takes the head
-    dims of its WIDE_DIMS (FWD_HOPPER_WIDE_DIMS, DKDV_HOPPER_WIDE_DIMS) where _wide_why_not allows."""
+    only for inputs the Gluon kernels would otherwise take. wide: "forward", "dkdv" or "dq", a kernel that also takes
+    the head dims of its WIDE_DIMS (FWD_HOPPER_WIDE_DIMS, ...) where _wide_why_not allows."""
     if INTERPRET:
         return "TRITON_INTERPRET=1 (Gluon has no interpreter)"
     if not fp8:
@@ -337,8 +338,19 @@ HOPPER_FWD_WIDE = True
 # TUNE["hopper_dkdv_wide"] (or TUNE["dkdv_hopper"]) = False turns it off.
 DKDV_HOPPER_WIDE_DIMS = ((256, 256), (192, 128))
 HOPPER_DKDV_WIDE = True
-WIDE_DIMS = {"forward": FWD_HOPPER_WIDE_DIMS, "dkdv": DKDV_HOPPER_WIDE_DIMS}
-_WIDE_SWITCH = {"forward": ("hopper_fwd_wide", "HOPPER_FWD_WIDE"), "dkdv": ("hopper_dkdv_wide", "HOPPER_DKDV_WIDE")}
+# The same head dims for the Gluon dQ kernel: dQ's columns in two launches (dq_hopper's HALF 1 and 2), each warpgroup
+# holding S and dP of a 128-key tile (64 registers each, as at D = 128) and 64 x 128 of dQ (64), where all of dQ
+# would take 128 (256 in all, over the 240 a warpgroup has); the second launch recomputes S, dP and dS for its half
+# but not the correction pass, whose delta it reads. Shared memory at D = 256 with 2 stages: 224 KB of the SM's 227.
+# Not yet run on a GPU: off (HOPPER_DQ_WIDE) until tests/test_kernels_gpu.py::test_dq_hopper_wide passes and it is
+# timed against the Triton dQ kernel (2.59 ms at B2 H8 N8192 D256 causal, 4.02 for MLA at H16); TUNE["hopper_dq_wide"]
+# = True turns it on.
+DQ_HOPPER_WIDE_DIMS = DKDV_HOPPER_WIDE_DIMS
+HOPPER_DQ_WIDE = False
+DQ_HOPPER_WIDE_STAGES = 2
+WIDE_DIMS = {"forward": FWD_HOPPER_WIDE_DIMS, "dkdv": DKDV_HOPPER_WIDE_DIMS, "dq": DQ_HOPPER_WIDE_DIMS}
+_WIDE_SWITCH = {"forward": ("hopper_fwd_wide", "HOPPER_FWD_WIDE"), "dkdv": ("hopper_dkdv_wide", "HOPPER_DKDV_WIDE"),
+                "dq": ("hopper_dq_wide", "HOPPER_DQ_WIDE")}
 # Registers of each of the two MMA warpgroups at Dv = 256: O (128 per thread), S (64) and P8 (16) at once
 FWD_HOPPER_WIDE_REGS = 240
 FWD_HOPPER_WIDE_STAGES = 2
@@ -346,10 +358,10 @@ FWD_HOPPER_WIDE_STAGES = 2
 
 def _wide_why_not(kernel: str, *, dqk: int, dv: int, varlen: bool, window, n: int) -> str | None:
     """_hopper_why_not's verdict at the WIDE_DIMS of `kernel` ("forward": the Gluon forward, "dkdv": the Gluon dK/dV
-    kernel): None, or why not."""
+    kernel, "dq": the Gluon dQ kernel): None, or why not."""
     dims = f"head dims Dqk={dqk}, Dv={dv}"
     key, flag = _WIDE_SWITCH[kernel]
-    name = {"forward": "the Gluon forward", "dkdv": "the Gluon dK/dV kernel"}[kernel]
+    name = {"forward": "the Gluon forward", "dkdv": "the Gluon dK/dV kernel", "dq": "the Gluon dQ kernel"}[kernel]
     if not TUNE.get(key, globals()[flag]):
         return f"{dims}: {name} there is off (launch.{flag} / TUNE['{key}'])"
     if varlen:
@@ -505,19 +517,26 @@ def _fwd_hopper_cfg(dv: int) -> dict:
 
 
 def _dq_hopper_cfg(d: int, causal: bool, padded: bool = False) -> dict:
-    """dq_hopper.dq_hopper's options at head dim d: DQ_HOPPER_STAGES (DQ_HOPPER_PIPE_STAGES when pipelined, or
-    TUNE["dq_hopper_stages"]), DQ_HOPPER_PINGPONG, and DQ_HOPPER_PIPE_FULL without a causal mask, except on the
-    padded layout (packed, ragged: `padded`), whose last key tile the pipelined pass would not mask."""
+    """dq_hopper.dq_hopper's options at head dim d = max(Dqk, Dv): DQ_HOPPER_STAGES (DQ_HOPPER_PIPE_STAGES when
+    pipelined, DQ_HOPPER_WIDE_STAGES above D = 128, or TUNE["dq_hopper_stages"]), DQ_HOPPER_PINGPONG, and
+    DQ_HOPPER_PIPE_FULL without a causal mask, except on the padded layout (packed, ragged: `padded`), whose last key
+    tile the pipelined pass would not mask; the launches (halves: dQ's columns in two above D = 128)."""
     pipe = d in DQ_HOPPER_PIPE_FULL and not causal and not padded
     stages = DQ_HOPPER_PIPE_STAGES.get(d, DQ_HOPPER_STAGES) if pipe else DQ_HOPPER_STAGES
-    return dict(stages=int(TUNE.get("dq_hopper_stages", stages)), pingpong=DQ_HOPPER_PINGPONG.get(d, 0), pipe=pipe)
+    halves = (0,)
+    if d > 128:
+        stages, halves = DQ_HOPPER_WIDE_STAGES, (1, 2)
+    return dict(stages=int(TUNE.get("dq_hopper_stages", stages)), pingpong=DQ_HOPPER_PINGPONG.get(d, 0), pipe=pipe,
+                halves=halves)
 
 
 def _dq_hopper(d: int, *, stale: bool, **case) -> bool:
     """Whether dQ and the correction pass come from dq_hopper's Gluon kernel: DQ_HOPPER_HEAD_DIMS, a packed
-    batch (HOPPER_PACKED) or TUNE["dq_hopper"], the matching delta, and the input is its case (_hopper_case)."""
-    return (bool(TUNE.get("dq_hopper", d in DQ_HOPPER_HEAD_DIMS or case["varlen"])) and not stale
-            and _hopper_case(**case))
+    batch (HOPPER_PACKED), DQ_HOPPER_WIDE_DIMS (where HOPPER_DQ_WIDE is on: _wide_why_not) or TUNE["dq_hopper"], the
+    matching delta, and the input is its case (_hopper_case)."""
+    wide = (case["dqk"], case["dv"]) in DQ_HOPPER_WIDE_DIMS
+    return (bool(TUNE.get("dq_hopper", d in DQ_HOPPER_HEAD_DIMS or case["varlen"] or wide)) and not stale
+            and _hopper_case(**case, wide="dq"))
 
 
 # How many heads each kernel's grid hands out together under a causal mask, tile-major within the group
