@@ -529,8 +529,9 @@ def test_gluon_case_and_why_not(monkeypatch):
     """launch._hopper_why_not, the one predicate behind the Gluon kernels' dispatch (_hopper_case) and the dispatch
     log: None for their case, else the first reason against it. Dense batches of N = M not a multiple of 128
     ("ragged", launch.HOPPER_RAGGED) take them, causal or (HOPPER_RAGGED_FULL) under the full mask; TUNE
-    ["hopper_ragged"] switches that off. The capability, device and Triton version are faked: the predicate is host
-    logic (tests/test_kernels_gpu.py::test_hopper_ragged runs the kernels)."""
+    ["hopper_ragged"] switches that off. (A causal window is no reason against them: test_gluon_window_dispatch.) The
+    capability, device and Triton version are faked: the predicate is host logic (tests/test_kernels_gpu.py::
+    test_hopper_ragged runs the kernels)."""
     import types
 
     import triton
@@ -561,8 +562,7 @@ def test_gluon_case_and_why_not(monkeypatch):
     # the padded layout's dQ kernel masks its last key tile in the plain pass 2 only: never the pipelined one
     assert KL._dq_hopper_cfg(128, False)["pipe"] and not KL._dq_hopper_cfg(128, False, padded=True)["pipe"]
     for change, phrase in ((dict(fp8=False), "bf16"), (dict(e4m3=False), "e5m2"), (dict(dqk=256, dv=256), "Dqk=256"),
-                           (dict(dv=64), "Dv=64"), (dict(block=64), "block=64"), (dict(window=100), "window"),
-                           (dict(m=8192), "N != M"), (dict(varlen=True), "varlen"),
+                           (dict(dv=64), "Dv=64"), (dict(block=64), "block=64"), (dict(m=8192), "N != M"), (dict(varlen=True), "varlen"),
                            (dict(lse2_in=False), "LSE2"), (dict(device=types.SimpleNamespace(type="cpu")), "cpu")):
         got = why(**change)
         assert got is not None and phrase in got, (change, got)
@@ -912,7 +912,7 @@ def test_dq_hopper_pipe_option():
     K.TUNE.update(dq_hopper_stages=2)
     try:
         assert launch._dq_hopper_cfg(64, False) == dict(stages=2, pingpong=launch.DQ_HOPPER_PINGPONG.get(64, 0),
-                                                        pipe=True)
+                                                        pipe=True, halves=(0,))
     finally:
         K.TUNE.clear()
 
