@@ -542,9 +542,9 @@ def _isolated_rows(rows):
 def _check_gluon_vs_triton(runs, what, tag, exact, lse_finite=False, same_strides=False, capped=True, dv_tol=1e-3):
     """A Gluon run against a Triton run on the same inputs ({"gluon"/"triton": (forward results, backward results)}):
     the forward within 1e-3 (LSE 1e-4), the saved tensors bit for bit (and their strides with `same_strides`), the
-    backward's results within 1e-3 (dV: dv_tol) or apart in isolated rows only (_isolated_rows), all finite (LSE too with
-    `lse_finite`); against exact float64 attention (`exact`: _exact's out and gradients) within 5 % + 1e-3 of the
-    Triton kernels' error, and with `capped` under 1e-1 (out) / 2e-1 (gradients)."""
+    backward's results within 1e-3 (dV: dv_tol) or apart in isolated rows only (_isolated_rows), all finite (LSE too
+    with `lse_finite`); against exact float64 attention (`exact`: _exact's out and gradients) within 5 % + 1e-3 of
+    the Triton kernels' error, and with `capped` under 1e-1 (out) / 2e-1 (gradients)."""
     (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
     err, lse_err = _rel(fg[0], ft[0]), (fg[1] - ft[1]).abs().max().item()
     errs = [_rel(a, b) for a, b in zip(gg, gt)]
@@ -708,19 +708,16 @@ def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
     triton_bwd = dict(hopper_dkdv_wide=False)  # the Triton backward after either forward
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=13)
-        runs = {}
-        for name, on in (("gluon", True), ("triton", False)):
-            calls.clear()
-            runs[name] = _fwd_bwd_under(dict(triton_bwd, hopper_fwd_wide=on), q, k, v, do, kw)
-            # the comparison proves nothing unless the Gluon forward ran (dense: no segments), and only it
-            assert calls == ([("fwd_hopper", None)] if on else []), calls
+        runs, launched = _runs_under(calls, dict(gluon=dict(triton_bwd, hopper_fwd_wide=True),
+                                                 triton=dict(triton_bwd, hopper_fwd_wide=False)), q, k, v, do, kw)
+        # the comparison proves nothing unless the Gluon forward ran (dense: no segments), and only it
+        assert launched == dict(gluon=[("fwd_hopper", None)], triton=[]), launched
         _check_gluon_vs_triton(runs, "WIDE FWD", tag, _exact(q, k, v, do, causal), lse_finite=True, same_strides=True,
                                capped=False)
     calls.clear()
     K.TUNE.update(triton_bwd, hopper_fwd_wide=True)
     try:  # the Gluon forward's own saved tensors through the Triton backward, against the reference
-        _compare(B=2 if N <= 2048 else 1, Hq=4, Hkv=2, N=N, Dqk=dims[0], Dv=dims[1], causal=causal,
-                 tol=2e-2 if N > 4096 else None)
+        _compare_wide(dims, causal, N)
     finally:
         K.TUNE.clear()
     assert [c for c, _ in calls] == ["fwd_hopper"], calls
@@ -734,6 +731,24 @@ def _wide_case(dims, causal, N, Hq, Hkv, seed):
     kw = dict(causal=causal, softmax_scale=Dqk ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
               config=DeltaMatchConfig())
     return q, k, v, do, kw, f"N{N} D{Dqk}/{Dv} H{Hq}/{Hkv} {'causal' if causal else 'full'}"
+
+
+def _compare_wide(dims, causal, N):
+    """_compare at head dims `dims` ((Dqk, Dv)), GQA 4/2, _wide_case's batch size, within 2e-2 at N > 4096 (the
+    QGMMA accumulation over N queries: test_hopper_ragged)."""
+    _compare(B=2 if N <= 2048 else 1, Hq=4, Hkv=2, N=N, Dqk=dims[0], Dv=dims[1], causal=causal,
+             tol=2e-2 if N > 4096 else None)
+
+
+def _runs_under(calls, tunes, q, k, v, do, kw, **bwd_kw):
+    """({name: _fwd_bwd_under(tunes[name], ...)}, {name: the Gluon launches of that run, as _gluon_launches' `calls`
+    records them})."""
+    runs, launched = {}, {}
+    for name, tune in tunes.items():
+        calls.clear()
+        runs[name] = _fwd_bwd_under(tune, q, k, v, do, kw, **bwd_kw)
+        launched[name] = list(calls)
+    return runs, launched
 
 
 @pytest.mark.parametrize("N", [2048, 8192])
@@ -754,12 +769,12 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
     calls = _gluon_launches(monkeypatch)
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=19)
-        runs = {}
-        for name, tune in (("gluon", {}), ("unpaired", dict(dkdv_hopper_pairs=False, dkdv_hopper_peel=False)),
-                           ("triton", dict(hopper_dkdv_wide=False))):
-            calls.clear()
-            runs[name] = _fwd_bwd_under(tune, q, k, v, do, kw)
-            assert calls == [("fwd_hopper", None)] + ([("dkdv_hopper", None)] if name != "triton" else []), calls
+        unpaired = dict(dkdv_hopper_pairs=False, dkdv_hopper_peel=False)
+        runs, launched = _runs_under(calls, dict(gluon={}, unpaired=unpaired, triton=dict(hopper_dkdv_wide=False)),
+                                     q, k, v, do, kw)
+        for name in runs:
+            assert launched[name] == [("fwd_hopper", None)] + ([("dkdv_hopper", None)] if name != "triton" else []), \
+                launched
         assert torch.equal(runs["gluon"][1][0], runs["triton"][1][0])  # dQ: the same Triton kernel
         exact = _exact(q, k, v, do, causal)
         _check_gluon_vs_triton(dict(gluon=runs["gluon"], triton=runs["triton"]), "WIDE DKDV", tag, exact,
@@ -767,8 +782,7 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
         _check_gluon_vs_triton(dict(gluon=runs["unpaired"], triton=runs["triton"]), "WIDE DKDV UNPAIRED", tag, exact,
                                lse_finite=True, same_strides=True, capped=False)
     calls.clear()
-    _compare(B=2 if N <= 2048 else 1, Hq=4, Hkv=2, N=N, Dqk=dims[0], Dv=dims[1], causal=causal,
-             tol=2e-2 if N > 4096 else None)
+    _compare_wide(dims, causal, N)
     # one forward, then backwards from the reference's saved tensors and from the kernels' own
     assert [c for c, _ in calls] == ["fwd_hopper", "dkdv_hopper", "dkdv_hopper"], calls
 
@@ -789,19 +803,16 @@ def test_dq_hopper_wide(dims, causal, N, monkeypatch):
     calls = _gluon_launches(monkeypatch)
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=23)
-        runs = {}
-        for name, on in (("gluon", True), ("triton", False)):
-            calls.clear()
-            runs[name] = _fwd_bwd_under(dict(hopper_dq_wide=on), q, k, v, do, kw, return_delta=True)
-            want = ["fwd_hopper", "dq_hopper", "dkdv_hopper"] if on else ["fwd_hopper", "dkdv_hopper"]
-            assert [c for c, _ in calls] == want, calls
+        runs, launched = _runs_under(calls, dict(gluon=dict(hopper_dq_wide=True), triton=dict(hopper_dq_wide=False)),
+                                     q, k, v, do, kw, return_delta=True)
+        assert {name: [c for c, _ in got] for name, got in launched.items()} == dict(
+            gluon=["fwd_hopper", "dq_hopper", "dkdv_hopper"], triton=["fwd_hopper", "dkdv_hopper"]), launched
         _check_gluon_vs_triton(runs, "WIDE DQ", tag, _exact(q, k, v, do, causal), lse_finite=True, same_strides=True,
                                capped=False)
     calls.clear()
     K.TUNE.update(hopper_dq_wide=True)
     try:
-        _compare(B=2 if N <= 2048 else 1, Hq=4, Hkv=2, N=N, Dqk=dims[0], Dv=dims[1], causal=causal,
-                 tol=2e-2 if N > 4096 else None)
+        _compare_wide(dims, causal, N)
     finally:
         K.TUNE.clear()
     assert [c for c, _ in calls] == ["fwd_hopper", "dq_hopper", "dkdv_hopper", "dq_hopper", "dkdv_hopper"], calls

@@ -402,9 +402,9 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
     if PART == 0:
         _store_both(DK, DV, dk * (c_dk * softmax_scale), dv * c_dv, out_row, kb, key_end, VARLEN or WGS != 2)
     elif PART == 1:
-        _store_rows(DV, dv * c_dv, out_row, kb, key_end, HEAD_DV, VARLEN or WGS != 2)
+        _store_rows(DV, dv * c_dv, out_row, kb, HEAD_DV)
     else:
-        _store_rows(DK, dk * (c_dk * softmax_scale), out_row, kb, key_end, DQK, VARLEN or WGS != 2)
+        _store_rows(DK, dk * (c_dk * softmax_scale), out_row, kb, DQK)
 
 
 @gluon.jit
@@ -425,19 +425,14 @@ def _store_both(DK, DV, dk, dv, out_row, kb, key_end, KEY_MASK: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(X, x, out_row, kb, key_end, COLS: gl.constexpr, KEY_MASK: gl.constexpr):
-    """A warpgroup's 64 rows of dK or dV (x: 64 x a power of two >= COLS, the columns past COLS dropped) at rows
-    out_row + kb .. of X (COLS per row); KEY_MASK: only the keys before key_end (a padded sequence's end)."""
+def _store_rows(X, x, out_row, kb, COLS: gl.constexpr):
+    """PART 1 or 2 (dense batches): a warpgroup's 64 rows of dV or dK (x: 64 x a power of two >= COLS, the columns
+    past COLS dropped) at rows out_row + kb .. of X (COLS per row)."""
     layout: gl.constexpr = x.type.layout
     keys = kb + gl.arange(0, 64, gl.SliceLayout(1, layout))
     cols = gl.arange(0, x.shape[1], gl.SliceLayout(0, layout))
     offs = (out_row + keys).to(gl.int64)[:, None] * COLS + cols[None, :]
-    if KEY_MASK:
-        mask = (keys < key_end)[:, None]
-        if COLS != x.shape[1]:
-            mask = mask & (cols < COLS)[None, :]
-        gl.store(X + offs, x.to(X.dtype.element_ty), mask=mask)
-    elif COLS != x.shape[1]:
+    if COLS != x.shape[1]:
         gl.store(X + offs, x.to(X.dtype.element_ty), mask=(cols < COLS)[None, :])
     else:
         gl.store(X + offs, x.to(X.dtype.element_ty))
@@ -455,7 +450,8 @@ def _bwd_dkdv_hopper_kernel(
     # HEAD_D: q's and k's box width, Dqk rounded up to a power of two (TMA fills the columns past DQK with zeros);
     # HEAD_DV: Dv; DQK: Dqk, dK's row length; PART 0: dK and dV; 1: dV alone; 2: dK alone (launch._dkdv_parts)
     gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (launch._hopper_why_not)")
-    gl.static_assert(PART == 0 or WGS == 2, "dV and dK in two launches: two warpgroups (launch._dkdv_hopper_cfg)")
+    gl.static_assert(PART == 0 or (WGS == 2 and not VARLEN), "dV and dK in two launches: two warpgroups, dense "
+                                                            "batches (launch._dkdv_hopper_cfg, _wide_why_not)")
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
     # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
     base, length, start = _segment(CU, PCU, N, VARLEN)

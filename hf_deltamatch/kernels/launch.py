@@ -20,9 +20,9 @@ from ._fp8 import INTERPRET
 # ((warpgroups, registers) or {head dim: that}), "dkdv_hopper_pairs" / "_peel", "hopper_packed" (the Gluon kernels
 # on packed batches), "hopper_ragged" (on dense batches of N not a multiple of 128), "hopper_window" (on causal
 # sliding windows), "hopper_fwd_wide" (the Gluon forward at FWD_HOPPER_WIDE_DIMS), "hopper_dkdv_wide" (the Gluon
-# dK/dV kernel at DKDV_HOPPER_WIDE_DIMS) and "hopper_dq_wide" (the Gluon dQ kernel at DQ_HOPPER_WIDE_DIMS). The q/k quantization pass
-# with the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where its default is
-# defined below.
+# dK/dV kernel at DKDV_HOPPER_WIDE_DIMS) and "hopper_dq_wide" (the Gluon dQ kernel at DQ_HOPPER_WIDE_DIMS). The q/k
+# quantization pass with the fused rotation: "quantize_rotate" ((tiles per program, warps, stages)). Each is read where
+# its default is defined below.
 TUNE: dict = {}
 TUNE_KEYS = ({"fwd", "dq", "dkdv", "fwd_tma", "dq_tma", "dkdv_lse2", "dkdv_p256", "dkdv_hopper", "dkdv_hopper_stages",
               "dkdv_hopper_pairs", "dkdv_hopper_peel", "dq_hopper", "dq_hopper_stages",
@@ -279,7 +279,7 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     causal, cu_seqlens_q = cu_seqlens_k, B = 1; and HOPPER_PACKED or TUNE["hopper_packed"]); an sm_90 GPU, a tested
     Triton (_gluon_triton_ok), the dQ kernel's LSE2 with P * 256. The Triton version is asked last: its warning comes
     only for inputs the Gluon kernels would otherwise take. wide: "forward", "dkdv" or "dq", a kernel that also takes
-    the head dims of its WIDE_DIMS (FWD_HOPPER_WIDE_DIMS, ...) where _wide_why_not allows."""
+    the head dims of its _WIDE dims (FWD_HOPPER_WIDE_DIMS, ...) where _wide_why_not allows."""
     if INTERPRET:
         return "TRITON_INTERPRET=1 (Gluon has no interpreter)"
     if not fp8:
@@ -287,7 +287,7 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
     if not e4m3:
         return "e5m2 gradients"
     if dqk != dv or dqk not in (64, 128):
-        if not (wide and (dqk, dv) in WIDE_DIMS[wide]):
+        if not (wide and (dqk, dv) in _WIDE[wide][0]):
             return f"head dims Dqk={dqk}, Dv={dv} (Dqk = Dv in 64, 128 only)"
         why = _wide_why_not(wide, dqk=dqk, dv=dv, varlen=varlen, window=window, n=n)
         if why:
@@ -348,20 +348,19 @@ HOPPER_DKDV_WIDE = True
 DQ_HOPPER_WIDE_DIMS = DKDV_HOPPER_WIDE_DIMS
 HOPPER_DQ_WIDE = False
 DQ_HOPPER_WIDE_STAGES = 2
-WIDE_DIMS = {"forward": FWD_HOPPER_WIDE_DIMS, "dkdv": DKDV_HOPPER_WIDE_DIMS, "dq": DQ_HOPPER_WIDE_DIMS}
-_WIDE_SWITCH = {"forward": ("hopper_fwd_wide", "HOPPER_FWD_WIDE"), "dkdv": ("hopper_dkdv_wide", "HOPPER_DKDV_WIDE"),
-                "dq": ("hopper_dq_wide", "HOPPER_DQ_WIDE")}
+# Per Gluon kernel that takes wide head dims: (its dims, its TUNE key, its module switch, its name in the dispatch log)
+_WIDE = {"forward": (FWD_HOPPER_WIDE_DIMS, "hopper_fwd_wide", "HOPPER_FWD_WIDE", "the Gluon forward"),
+         "dkdv": (DKDV_HOPPER_WIDE_DIMS, "hopper_dkdv_wide", "HOPPER_DKDV_WIDE", "the Gluon dK/dV kernel"),
+         "dq": (DQ_HOPPER_WIDE_DIMS, "hopper_dq_wide", "HOPPER_DQ_WIDE", "the Gluon dQ kernel")}
 # Registers of each of the two MMA warpgroups at Dv = 256: O (128 per thread), S (64) and P8 (16) at once
 FWD_HOPPER_WIDE_REGS = 240
 FWD_HOPPER_WIDE_STAGES = 2
 
 
 def _wide_why_not(kernel: str, *, dqk: int, dv: int, varlen: bool, window, n: int) -> str | None:
-    """_hopper_why_not's verdict at the WIDE_DIMS of `kernel` ("forward": the Gluon forward, "dkdv": the Gluon dK/dV
-    kernel, "dq": the Gluon dQ kernel): None, or why not."""
+    """_hopper_why_not's verdict at the wide dims of `kernel` (a key of _WIDE): None, or why not."""
     dims = f"head dims Dqk={dqk}, Dv={dv}"
-    key, flag = _WIDE_SWITCH[kernel]
-    name = {"forward": "the Gluon forward", "dkdv": "the Gluon dK/dV kernel", "dq": "the Gluon dQ kernel"}[kernel]
+    _, key, flag, name = _WIDE[kernel]
     if not TUNE.get(key, globals()[flag]):
         return f"{dims}: {name} there is off (launch.{flag} / TUNE['{key}'])"
     if varlen:
