@@ -261,6 +261,8 @@ def build_op(name: str, shape: Shape, q, k, v, do, args):
     device = q.device
     gqa = shape.Hq != shape.Hkv
     groups = shape.Hq // shape.Hkv
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     if name in DM_OPS:
         from hf_deltamatch import DeltaMatchConfig, deltamatch_attention
 
@@ -273,8 +275,6 @@ def build_op(name: str, shape: Shape, q, k, v, do, args):
                 {"config": dataclasses.asdict(cfg), **({"sinks": "fp32 (Hq,), d sinks in every backward"}
                                                       if sinks is not None else {})})
     if name == "sdpa-math":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         mask = window_mask(shape, device)
 
         def fwd(q, k, v):
@@ -285,8 +285,6 @@ def build_op(name: str, shape: Shape, q, k, v, do, args):
     if device.type != "cuda":
         raise Skip("CUDA-only baseline; --dry-run runs on the CPU")
     if name in ("sdpa-flash", "sdpa-cudnn"):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         if shape.window is not None:
             raise Skip("no sliding window in SDPA's flash and cuDNN backends (Flex has one)")
 

@@ -586,7 +586,7 @@ def test_gluon_forward_wide_dims_dispatch(monkeypatch):
     """The Gluon forward at D=256 and MLA's Dqk=192 / Dv=128 (launch.FWD_HOPPER_WIDE_DIMS): on by default
     (HOPPER_FWD_WIDE); TUNE["hopper_fwd_wide"] = False turns it off with the dispatch log's reason; on dense batches
     of N = M a multiple of 128, causal or full, GQA or not, and nowhere else (varlen, window, ragged N, N != M, bf16, other head dims:
-    each with its reason). dQ and dK/dV stay on the Triton kernels there whatever their own switches say, and the
+    each with its reason). A kernel's case without its wide-dims entry (launch._WIDE) declines these dims, and the
     forward's launch config is two warpgroups of 240 registers at Dv = 256, the D=128 one at Dv = 128. Host logic
     with the capability and Triton version faked (tests/test_kernels_gpu.py::test_fwd_hopper_wide runs the kernel)."""
     import types
@@ -623,12 +623,9 @@ def test_gluon_forward_wide_dims_dispatch(monkeypatch):
                                    (dict(fp8=False), "bf16"), (dict(device=types.SimpleNamespace(type="cpu")), "cpu")):
                 got = why(dqk, dv, **change)
                 assert got is not None and phrase in got and not on(dqk, dv, **change), (change, got)
-            # the Gluon dQ kernel never takes these head dims, even when asked (the dK/dV kernel does:
+            # the backward kernels take them through their own entries (test_gluon_dq_wide_dims_dispatch,
             # test_gluon_dkdv_wide_dims_dispatch)
-            K.TUNE.update(dq_hopper=True)
             assert f"Dqk={dqk}, Dv={dv}" in KL._hopper_why_not(**{**bwd, "dqk": dqk, "dv": dv})
-            assert not KL._dq_hopper(dv, stale=False, **{**bwd, "dqk": dqk, "dv": dv})
-            del K.TUNE["dq_hopper"]
         for dqk, dv in ((256, 128), (192, 192), (128, 256), (96, 96)):  # no other head dims
             assert not on(dqk, dv) and "Dqk = Dv in 64, 128 only" in why(dqk, dv)
         K.TUNE["fwd_hopper"] = False  # the forward's own switch still turns it off
@@ -648,9 +645,9 @@ def test_gluon_forward_wide_dims_dispatch(monkeypatch):
 
 
 def test_gluon_dq_wide_dims_dispatch(monkeypatch):
-    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DQ_HOPPER_WIDE_DIMS): off by default
-    (HOPPER_DQ_WIDE, until its GPU test passes), with the dispatch log's reason; TUNE["hopper_dq_wide"] = True turns
-    it on for dense batches of N a multiple of 128 (not varlen, windows, ragged N, the stale delta); its launch config:
+    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DQ_HOPPER_WIDE_DIMS): on by default
+    (HOPPER_DQ_WIDE) for dense batches of N a multiple of 128 (not varlen, windows, ragged N, the stale delta);
+    TUNE["hopper_dq_wide"] = False turns it off, with the dispatch log's reason; its launch config:
     dQ's columns in two launches (halves (1, 2)), DQ_HOPPER_WIDE_STAGES, no pipelined pass 2, even on the full mask.
     Host logic with the capability and Triton version faked (tests/test_kernels_gpu.py::test_dq_hopper_wide runs it)."""
     import types
@@ -668,13 +665,11 @@ def test_gluon_dq_wide_dims_dispatch(monkeypatch):
     def on(dqk, dv, stale=False, **change):
         return KL._dq_hopper(max(dqk, dv), stale=stale, **{**case, "dqk": dqk, "dv": dv, **change})
 
-    assert not KL.HOPPER_DQ_WIDE
+    assert KL.HOPPER_DQ_WIDE
     try:
         for dqk, dv in KL.DQ_HOPPER_WIDE_DIMS:
             d = max(dqk, dv)
-            assert not on(dqk, dv)
-            assert "HOPPER_DQ_WIDE" in KL._hopper_why_not(**{**case, "dqk": dqk, "dv": dv}, wide="dq")
-            K.TUNE["hopper_dq_wide"] = True
+            assert KL._hopper_why_not(**{**case, "dqk": dqk, "dv": dv}, wide="dq") is None
             for causal in (True, False):
                 assert on(dqk, dv, causal=causal)
                 cfg = KL._dq_hopper_cfg(d, causal)
@@ -682,6 +677,9 @@ def test_gluon_dq_wide_dims_dispatch(monkeypatch):
             for change in (dict(varlen=True, packed=True), dict(window=512), dict(n=8000, m=8000), dict(fp8=False)):
                 assert not on(dqk, dv, **change), change
             assert not on(dqk, dv, stale=True)
+            K.TUNE["hopper_dq_wide"] = False
+            assert not on(dqk, dv)
+            assert "HOPPER_DQ_WIDE" in KL._hopper_why_not(**{**case, "dqk": dqk, "dv": dv}, wide="dq")
             K.TUNE.clear()
         assert KL._dq_hopper_cfg(128, False)["halves"] == (0,) and KL._dq_hopper_cfg(128, False)["pipe"]
     finally:
@@ -690,7 +688,7 @@ def test_gluon_dq_wide_dims_dispatch(monkeypatch):
 
 def test_gluon_dkdv_wide_dims_dispatch(monkeypatch):
     """The Gluon dK/dV kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DKDV_HOPPER_WIDE_DIMS, HOPPER_DKDV_WIDE):
-    on by default after the Triton dQ kernel, on dense batches of N = M a multiple of 128 (causal or full, GQA or not);
+    on by default after either dQ kernel, on dense batches of N = M a multiple of 128 (causal or full, GQA or not);
     TUNE["hopper_dkdv_wide"] = False or TUNE["dkdv_hopper"] = False turns it off, the first with the dispatch log's
     reason; varlen, windows, ragged N decline with theirs. Its launch config: two warpgroups of 240 registers, dV and
     dK in two launches (parts (1, 2)), never the pipelined dK MMA (one launch only), even under a CUDA 12 ptxas; and
@@ -720,7 +718,8 @@ def test_gluon_dkdv_wide_dims_dispatch(monkeypatch):
         for dqk, dv in KL.DKDV_HOPPER_WIDE_DIMS:
             d = max(dqk, dv)
             assert KL._dkdv_lse2(d) and KL._dkdv_p_shift(d, True) == 8  # what the Gluon kernel reads
-            assert not KL._dq_hopper(d, stale=False, **{**case, "dqk": dqk, "dv": dv})  # dQ: the Triton kernel
+            # dQ: the Gluon kernel by default, the Triton one without it; both write the dS scales and LSE2
+            assert KL._dq_hopper(d, stale=False, **{**case, "dqk": dqk, "dv": dv})
             for causal in (True, False):
                 for n in (128, 8192):
                     assert on(dqk, dv, causal=causal, n=n, m=n) and why(dqk, dv, causal=causal, n=n, m=n) is None

@@ -705,7 +705,7 @@ def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
         within FP8_TOL, 2e-2 at N = 8192 (the QGMMA accumulation over N queries: test_hopper_ragged)."""
     skip_unless_gluon_triton()
     calls = _gluon_launches(monkeypatch)
-    triton_bwd = dict(hopper_dkdv_wide=False)  # the Triton backward after either forward
+    triton_bwd = dict(hopper_dq_wide=False, hopper_dkdv_wide=False)  # the Triton backward after either forward
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=13)
         runs, launched = _runs_under(calls, dict(gluon=dict(triton_bwd, hopper_fwd_wide=True),
@@ -756,8 +756,9 @@ def _runs_under(calls, tunes, q, k, v, do, kw, **bwd_kw):
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "mla"])
 def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
     """The Gluon dK/dV kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DKDV_HOPPER_WIDE_DIMS: dV and dK in two
-    launches after the Triton dQ kernel) on dense batches, GQA and MHA, causal and full:
-      - by default the Gluon forward and dK/dV kernels launch, and with TUNE hopper_dkdv_wide off only the forward;
+    launches) after the Triton dQ kernel (TUNE hopper_dq_wide off: test_dq_hopper_wide runs it after the Gluon one) on
+    dense batches, GQA and MHA, causal and full:
+      - the Gluon forward and dK/dV kernels launch, and with TUNE hopper_dkdv_wide off only the forward;
       - against the Triton dK/dV kernel on the same inputs and forward: the forward and dQ identical (the same
         kernels), dK within 1e-3 or apart in isolated rows (_check_gluon_vs_triton: the Triton kernel finds each dS
         tile's scale itself at these dims, the Gluon one reads the dQ kernel's, equal up to fp32 rounding), dV within
@@ -767,11 +768,12 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
         backend (_compare) within FP8_TOL, 2e-2 at N = 8192."""
     skip_unless_gluon_triton()
     calls = _gluon_launches(monkeypatch)
+    triton_dq = dict(hopper_dq_wide=False)
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=19)
-        unpaired = dict(dkdv_hopper_pairs=False, dkdv_hopper_peel=False)
-        runs, launched = _runs_under(calls, dict(gluon={}, unpaired=unpaired, triton=dict(hopper_dkdv_wide=False)),
-                                     q, k, v, do, kw)
+        unpaired = dict(triton_dq, dkdv_hopper_pairs=False, dkdv_hopper_peel=False)
+        runs, launched = _runs_under(calls, dict(gluon=triton_dq, unpaired=unpaired,
+                                                 triton=dict(triton_dq, hopper_dkdv_wide=False)), q, k, v, do, kw)
         for name in runs:
             assert launched[name] == [("fwd_hopper", None)] + ([("dkdv_hopper", None)] if name != "triton" else []), \
                 launched
@@ -782,7 +784,11 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
         _check_gluon_vs_triton(dict(gluon=runs["unpaired"], triton=runs["triton"]), "WIDE DKDV UNPAIRED", tag, exact,
                                lse_finite=True, same_strides=True, capped=False)
     calls.clear()
-    _compare_wide(dims, causal, N)
+    K.TUNE.update(triton_dq)
+    try:
+        _compare_wide(dims, causal, N)
+    finally:
+        K.TUNE.clear()
     # one forward, then backwards from the reference's saved tensors and from the kernels' own
     assert [c for c, _ in calls] == ["fwd_hopper", "dkdv_hopper", "dkdv_hopper"], calls
 
@@ -791,9 +797,10 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "mla"])
 def test_dq_hopper_wide(dims, causal, N, monkeypatch):
-    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DQ_HOPPER_WIDE_DIMS, TUNE hopper_dq_wide: dQ's
+    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DQ_HOPPER_WIDE_DIMS, HOPPER_DQ_WIDE: dQ's
     columns in two launches, the second reading the first's delta) on dense batches, GQA and MHA, causal and full:
-      - with the key the Gluon forward, dQ and dK/dV kernels launch, without it the forward and dK/dV only;
+      - by default the Gluon forward, dQ and dK/dV kernels launch, with TUNE hopper_dq_wide off the forward and dK/dV
+        only;
       - against the Triton dQ kernel on the same inputs and forward (_check_gluon_vs_triton): dQ, dK, dV and delta
         within 1e-3 or apart in isolated rows: the same 128-key steps and roundings, in another order (dK and dV come
         from the same Gluon kernel in both runs, with the dS scales and LSE2 of either dQ kernel);
@@ -803,18 +810,14 @@ def test_dq_hopper_wide(dims, causal, N, monkeypatch):
     calls = _gluon_launches(monkeypatch)
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=23)
-        runs, launched = _runs_under(calls, dict(gluon=dict(hopper_dq_wide=True), triton=dict(hopper_dq_wide=False)),
+        runs, launched = _runs_under(calls, dict(gluon={}, triton=dict(hopper_dq_wide=False)),
                                      q, k, v, do, kw, return_delta=True)
         assert {name: [c for c, _ in got] for name, got in launched.items()} == dict(
             gluon=["fwd_hopper", "dq_hopper", "dkdv_hopper"], triton=["fwd_hopper", "dkdv_hopper"]), launched
         _check_gluon_vs_triton(runs, "WIDE DQ", tag, _exact(q, k, v, do, causal), lse_finite=True, same_strides=True,
                                capped=False)
     calls.clear()
-    K.TUNE.update(hopper_dq_wide=True)
-    try:
-        _compare_wide(dims, causal, N)
-    finally:
-        K.TUNE.clear()
+    _compare_wide(dims, causal, N)
     assert [c for c, _ in calls] == ["fwd_hopper", "dq_hopper", "dkdv_hopper", "dq_hopper", "dkdv_hopper"], calls
 
 
@@ -844,7 +847,8 @@ def test_head_dim_256_configs_and_split_dkdv(dkdv):
     """D > 128 with the launch configs timed on the H200 and dK/dV split into a dV and a dK launch
     (launch.DKDV_SPLIT_ABOVE): the same tolerances, causal and full, GQA, MLA's 192/128, and the stale delta."""
     assert KL._dkdv_parts(192) == KL._dkdv_parts(256) == (1, 2)
-    K.TUNE.update(fwd=(64, 8, 3), dq=(128, 8, 1), dkdv=dkdv)
+    K.TUNE.update(fwd=(64, 8, 3), dq=(128, 8, 1), dkdv=dkdv, hopper_fwd_wide=False, hopper_dq_wide=False,
+                  hopper_dkdv_wide=False)  # the Triton kernels, or these configs go unused
     try:
         _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256)
         _compare(B=1, Hq=4, Hkv=2, N=1500, Dqk=256, causal=False)

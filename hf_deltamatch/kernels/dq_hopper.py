@@ -8,8 +8,8 @@ released, the edge's masked), N = M a multiple of 128, causal or full, any GQA g
 batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, as LSE, delta, LSE2 and the dS
 scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows; also a dense
 batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N) full:
-launch.HOPPER_RAGGED); or, in two launches over dQ's column halves (HALF 1, 2: launch.DQ_HOPPER_WIDE_DIMS, off until
-GPU-tested), D = 256 and MLA's Dqk = 192 / Dv = 128 on dense batches, q and k read in boxes of Dqk rounded up to a power
+launch.HOPPER_RAGGED); or, in two launches over dQ's column halves (HALF 1, 2: launch.DQ_HOPPER_WIDE_DIMS,
+HOPPER_DQ_WIDE), D = 256 and MLA's Dqk = 192 / Dv = 128 on dense batches, q and k read in boxes of Dqk rounded up to a power
 of two: the first launch runs the correction pass and stores delta, LSE2 and the dS scales, the second reads delta.
 
 Why: `_bwd_dq_kernel` at D=128 takes 116 KB of shared memory, so one warpgroup runs per SM and nothing

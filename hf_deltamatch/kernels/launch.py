@@ -330,7 +330,7 @@ def _hopper_why_not(*, fp8: bool, e4m3: bool, dqk: int, dv: int, block: int, var
 # cuDNN 0.940) and 0.43x for MLA (1.061 vs 2.451 ms, cuDNN 1.248).
 FWD_HOPPER_WIDE_DIMS = ((256, 256), (192, 128))
 HOPPER_FWD_WIDE = True
-# The same head dims for the Gluon dK/dV kernel, after the Triton dQ kernel (which writes the dS tile scales and LSE2
+# The same head dims for the Gluon dK/dV kernel, after either dQ kernel (both write the dS tile scales and LSE2
 # it reads): two launches, dV alone then dK alone (_dkdv_parts: a warpgroup cannot hold both 64 x 256 accumulators,
 # nor MLA's 64 x 256 (Dqk 192 in a power-of-two box) and 64 x 128), two MMA warpgroups of 240 registers each.
 # On the H200 (Triton 3.6, causal, B2 N8192): 1.377 vs 2.421 ms for the Triton dK/dV kernels at D=256 H8 (0.57x),
@@ -341,12 +341,12 @@ HOPPER_DKDV_WIDE = True
 # The same head dims for the Gluon dQ kernel: dQ's columns in two launches (dq_hopper's HALF 1 and 2), each warpgroup
 # holding S and dP of a 128-key tile (64 registers each, as at D = 128) and 64 x 128 of dQ (64), where all of dQ
 # would take 128 (256 in all, over the 240 a warpgroup has); the second launch recomputes S, dP and dS for its half
-# but not the correction pass, whose delta it reads. Shared memory at D = 256 with 2 stages: 224 KB of the SM's 227.
-# Not yet run on a GPU: off (HOPPER_DQ_WIDE) until tests/test_kernels_gpu.py::test_dq_hopper_wide passes and it is
-# timed against the Triton dQ kernel (2.59 ms at B2 H8 N8192 D256 causal, 4.02 for MLA at H16); TUNE["hopper_dq_wide"]
-# = True turns it on.
+# but not the correction pass, whose delta it reads. Shared memory at D = 256 with 2 stages: 224 KB of the SM's 227
+# (3 stages for MLA: 246128 B, out of shared memory). On the H200 (Triton 3.6, causal, B2 N8192): 1.593 vs 2.597 ms
+# for the Triton dQ kernel at D=256 H8 (0.61x), 2.744 vs 4.022 for MLA at H16 (0.68x);
+# tests/test_kernels_gpu.py::test_dq_hopper_wide passed. TUNE["hopper_dq_wide"] = False turns it off.
 DQ_HOPPER_WIDE_DIMS = DKDV_HOPPER_WIDE_DIMS
-HOPPER_DQ_WIDE = False
+HOPPER_DQ_WIDE = True
 DQ_HOPPER_WIDE_STAGES = 2
 # Per Gluon kernel that takes wide head dims: (its dims, its TUNE key, its module switch, its name in the dispatch log)
 _WIDE = {"forward": (FWD_HOPPER_WIDE_DIMS, "hopper_fwd_wide", "HOPPER_FWD_WIDE", "the Gluon forward"),
