@@ -231,6 +231,21 @@ def fwd_bwd(fwd, q, k, v, do):
     return out, grads
 
 
+def graphed(fn):
+    """fn captured once into a CUDA graph, after two warm-up calls on a side stream (compiles, plan caches, the
+    allocator's pool); returns the graph's replay, which runs fn's kernels without its host time (Python, launches)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 _FLEX = {}
 
 
@@ -509,6 +524,12 @@ def measure_op(name, shape: Shape, q, k, v, do, ref, args, log) -> dict:
         res["fwd_ms"] = time_ms(lambda: fwd(q, k, v), device, args)
         stage = "timing fwd+bwd"
         res["fwdbwd_ms"] = time_ms(lambda: fwd_bwd(fwd, q, k, v, do), device, args)
+        if args.cuda_graph and device.type == "cuda":
+            stage = "timing fwd+bwd from a CUDA graph"
+            try:  # the host-free time: what a model replaying CUDA graphs (or torch.compile's reduce-overhead) pays
+                res["graph_fwdbwd_ms"] = time_ms(graphed(lambda: fwd_bwd(fwd, q, k, v, do)), device, args)
+            except Exception as exc:  # noqa: BLE001  (an op that cannot be captured is a result too)
+                res["graph_error"] = _one_line(exc)
         stage = "timing bwd"
         try:  # backward alone: replay the backward of one retained graph
             out = fwd(q, k, v)
@@ -844,6 +865,27 @@ def detail_md(report) -> list[str]:
     return lines + [""]
 
 
+def graph_md(report) -> list[str]:
+    """--cuda-graph: each op's fwd+bwd replayed from a CUDA graph beside its eager time, and the graphed time over
+    the graphed base's (a baseline's that ran where the base did not: Flex on the window presets)."""
+    rows = [(s, o, res) for s in report["shapes"] for o, res in s.get("ops", {}).items()
+            if "graph_fwdbwd_ms" in res or "graph_error" in res]
+    if not rows:
+        return []
+    base = report["meta"]["ratio_base"]
+    lines = ["## fwd+bwd from a CUDA graph (no host time): ms, and over the graphed base in this run", "",
+             "| shape | op | eager fwd+bwd | graphed fwd+bwd | graphed / graphed base |", "|---|---|---|---|---|"]
+    for s, o, res in rows:
+        if "graph_error" in res:
+            lines.append(f"| {s['name']} | {o} | {res['fwdbwd_ms']:.3f} | capture failed: {res['graph_error'][:80]} | |")
+            continue
+        graphed = {o_: r["graph_fwdbwd_ms"] for s_, o_, r in rows if s_ is s and "graph_fwdbwd_ms" in r}
+        ref = graphed.get(base) or next((t for o_, t in graphed.items() if o_ not in DM_OPS), None)
+        ratio = f"{res['graph_fwdbwd_ms'] / ref:.2f}×" if ref else "—"
+        lines.append(f"| {s['name']} | {o} | {res['fwdbwd_ms']:.3f} | {res['graph_fwdbwd_ms']:.3f} | {ratio} |")
+    return lines + [""]
+
+
 def failures_md(report) -> list[str]:
     lines = []
     for s in report["shapes"]:
@@ -860,13 +902,14 @@ def failures_md(report) -> list[str]:
 def write_outputs(report, json_path: Path, md_path: Path):
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(_sanitize(report), indent=1, allow_nan=False) + "\n")
-    md = header_md(report) + summary_md(report) + detail_md(report) + failures_md(report)
+    md = header_md(report) + summary_md(report) + graph_md(report) + detail_md(report) + failures_md(report)
     md_path.write_text("\n".join(md))
 
 
 def stdout_md(report) -> str:
     """Header, details and failures first, the ANCHORS.md-style table last (the runner keeps the output's tail)."""
-    return "\n".join(header_md(report) + detail_md(report) + failures_md(report) + summary_md(report))
+    return "\n".join(header_md(report) + detail_md(report) + failures_md(report) + graph_md(report)
+                     + summary_md(report))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -902,6 +945,8 @@ def parse_args(argv=None):
     p.add_argument("--sinks", action="store_true",
                    help="add the dm-fp8-sinks op (learnable attention sinks, d sinks in every backward)")
     p.add_argument("--skip-correctness", action="store_true", help="no reference, no error columns")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time each op's fwd+bwd replayed from a CUDA graph (no host time; CUDA only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="list the presets and exit")
     p.add_argument("--tune", default="{}",

@@ -120,6 +120,27 @@ def test_writers_report_ratios_failures_and_skips(bench, tmp_path):
     assert tail[-1].startswith("FA4 est.") and any(line.startswith("| n8192c: B2 H16") for line in tail[-6:])
 
 
+def test_cuda_graph_table(bench, tmp_path):
+    """--cuda-graph: the graphed fwd+bwd beside the eager one, over the graphed base (a baseline where the base did
+    not run: Flex on the window presets), a failed capture said as such; no table without the option."""
+    report = _fake_report(bench)
+    assert bench.graph_md(report) == []
+    ops = report["shapes"][0]["ops"]
+    ops["dm-fp8-matching"]["graph_fwdbwd_ms"] = 1.5
+    ops["sdpa-cudnn"]["graph_fwdbwd_ms"] = 3.0
+    ops["flex"]["graph_error"] = "RuntimeError: operation not permitted when stream is capturing"
+    md = "\n".join(bench.graph_md(report))
+    assert "| n8192c | dm-fp8-matching | 3.000 | 1.500 | 0.50× |" in md
+    assert "| n8192c | sdpa-cudnn | 3.865 | 3.000 | 1.00× |" in md
+    assert "| n8192c | flex | 5.200 | capture failed: RuntimeError: operation not permitted" in md
+    del ops["sdpa-cudnn"]["graph_fwdbwd_ms"]
+    ops["flex"] = dict(ops["flex"], graph_fwdbwd_ms=0.6)
+    del ops["flex"]["graph_error"]
+    assert "| n8192c | dm-fp8-matching | 3.000 | 1.500 | 2.50× |" in "\n".join(bench.graph_md(report))
+    bench.write_outputs(report, tmp_path / "r.json", tmp_path / "r.md")
+    assert "## fwd+bwd from a CUDA graph" in (tmp_path / "r.md").read_text()
+
+
 def test_dry_run_end_to_end(tmp_path):
     try:
         from hf_deltamatch import DeltaMatchConfig, deltamatch_attention  # noqa: F401

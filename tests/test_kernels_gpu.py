@@ -1035,3 +1035,50 @@ def test_hopper_window_packed(D, window, monkeypatch):
         _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu, window=window)
     finally:
         K.TUNE.clear()
+
+
+@pytest.mark.parametrize("case", ["d128-gqa", "window128", "d256", "ragged1000"])
+def test_cuda_graph_capture(case, monkeypatch):
+    """deltamatch_attention's forward + backward captured into a CUDA graph (as torch.compile's reduce-overhead or a
+    training loop's graphs do; benchmarks/attention.py --cuda-graph times it): every path a dense batch takes, the
+    Gluon kernels at D=128 with GQA, a causal sliding window, D=256 (dQ in two launches) and the padded layout of a
+    ragged N, captures with no host sync; the replay gives the eager call's output and gradients bit for bit, on the
+    captured inputs and after new values are copied into them (nothing computed on the host at capture time is
+    reused)."""
+    skip_unless_gluon_triton()
+    from hf_deltamatch import deltamatch_attention
+    calls = _gluon_launches(monkeypatch)
+    Hq, Hkv, N, D, window = {
+        "d128-gqa": (4, 2, 2048, 128, None), "window128": (4, 4, 2048, 128, 128), "d256": (4, 2, 2048, 256, None),
+        "ragged1000": (4, 2, 1000, 128, None)}[case]
+    leaves = [t.requires_grad_() for t in _inputs(2, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=29)[:3]]
+    do = _inputs(2, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=30)[3]
+
+    def fwd_bwd():
+        out = deltamatch_attention(*leaves, causal=True, window=window)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    eager = fwd_bwd()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fwd_bwd()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    calls.clear()
+    with torch.cuda.graph(graph):
+        static = fwd_bwd()
+    assert [c for c, _ in calls] == ["fwd_hopper", "dq_hopper", "dkdv_hopper"], calls  # the Gluon path was captured
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), static, eager):
+        assert torch.equal(got, want), (case, name, _rel(got, want))
+    fresh = _inputs(2, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=31)[:3]
+    with torch.no_grad():
+        for leaf, new in zip(leaves, fresh):
+            leaf.copy_(new)
+    graph.replay()
+    eager = fwd_bwd()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), static, eager):
+        assert torch.equal(got, want), (case, name, "new inputs", _rel(got, want))
