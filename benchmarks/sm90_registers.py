@@ -367,12 +367,15 @@ def default_cases():
         for precision in ("fp8", "bf16"):
             cases[f"d256-{'causal' if causal else 'full'}-{precision}"] = dict(d=256, causal=causal, hq=4, hkv=4,
                                                                               n=8192, precision=precision)
-    # the Triton forward at D=256 and MLA's 192/128 (TUNE hopper_fwd_wide off; the Gluon one is the default there)
+    # the Triton forward and dQ kernels at D=256 and MLA's 192/128 (TUNE hopper_fwd_wide, hopper_dq_wide off; the
+    # Gluon ones are the default there)
+    triton_wide = dict(hopper_fwd_wide=False, hopper_dq_wide=False)
     for name in ("d256-causal-fp8", "d256-full-fp8"):
-        cases[name]["tune"] = dict(hopper_fwd_wide=False)
-    cases["mla-192:128"] = dict(d=192, dv=128, causal=True, hq=4, hkv=4, n=8192, tune=dict(hopper_fwd_wide=False))
+        cases[name]["tune"] = triton_wide
+    cases["mla-192:128"] = dict(d=192, dv=128, causal=True, hq=4, hkv=4, n=8192, tune=triton_wide)
     cases["d128-gqa-full-stale"] = dict(d=128, causal=False, hq=16, hkv=4, n=8192, delta="stale")
-    # the Gluon forward at D=256 and MLA's 192/128 (launch.HOPPER_FWD_WIDE, on by default; its TUNE key explicit)
+    # the Gluon forward at D=256 and MLA's 192/128 (launch.HOPPER_FWD_WIDE, on by default; its TUNE key explicit),
+    # and the default Gluon dQ (two launches) and dK/dV kernels after it
     wide = dict(hopper_fwd_wide=True)
     for causal in (True, False):
         mask = "causal" if causal else "full"

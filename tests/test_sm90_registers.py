@@ -189,8 +189,8 @@ def test_hash_records_the_default_launches():
     the Gluon kernels for their case (D=128, N = 8192, fp8, on the H200's sm_90 with Triton 3.6), the Triton dQ
     kernel for the stale delta there, at N = 8000 the Gluon kernels' packed variant (VARLEN) by default and the Triton
     kernels with TUNE["hopper_ragged"] off, causal and full, with the Triton backward there for the stale delta (the
-    padded layout: both Gluon kernels or neither), the Triton kernels
-    in bf16, and at D=256 dK/dV in two launches of the Gluon kernel (dV, then dK) after the Triton dQ kernel; with the
+    padded layout: both Gluon kernels or neither), the Triton kernels in bf16, and at D=256 dK/dV in two launches of
+    the Gluon kernel (dV, then dK) after the Triton dQ kernel (the case pins it: TUNE hopper_dq_wide off); with the
     constexprs the kernels get."""
     stdout = _record(
         "for ragged in (False, True):\n"
@@ -292,9 +292,9 @@ def test_gluon_dq_wide_compiles_for_sm90(dims, half):
 
 def test_hash_records_the_wide_forward():
     """--hash's cases behind TUNE["hopper_fwd_wide"] (D=256, MLA's 192/128): the Gluon forward launches (two
-    warpgroups at Dv = 256, three at Dv = 128; HEAD_D is Dv), then the Triton dQ kernel and the Gluon dK/dV kernel
-    twice (dV, then dK: PART 1, 2; q/k boxes of 256, Dqk and Dv as given) with the very constexprs they get after the
-    Triton forward (the backward reads the same saved tensors either way); with the key off the Triton forward, and
+    warpgroups at Dv = 256, three at Dv = 128; HEAD_D is Dv), then the Gluon dQ kernel twice (dQ's column halves:
+    HALF 1, 2) and the Gluon dK/dV kernel twice (dV, then dK: PART 1, 2; q/k boxes of 256, Dqk and Dv as given) with
+    the very constexprs they get after the Triton forward (the backward reads the same saved tensors either way); with the key off the Triton forward, and
     the key leaves kernels.TUNE as it was."""
     stdout = _record(
         "for name in ('d256-causal-h4:4-fwd-wide', 'd256-full-h16:4-fwd-wide', 'mla-192:128-causal-fwd-wide'):\n"
@@ -312,11 +312,12 @@ def test_hash_records_the_wide_forward():
     for name, (dv, nwg) in (("d256-causal-h4:4-fwd-wide", (256, 2)), ("d256-full-h16:4-fwd-wide", (256, 2)),
                             ("mla-192:128-causal-fwd-wide", (128, 3))):
         wide, base = got["wide", name], got["base", name]
-        assert [k for k, _ in wide] == ["hopper_fwd", "dq", "hopper", "hopper"], wide
-        assert [k for k, _ in base] == ["fwd", "dq", "hopper", "hopper"], base
+        assert [k for k, _ in wide] == ["hopper_fwd", "hopper_dq", "hopper_dq", "hopper", "hopper"], wide
+        assert [k for k, _ in base] == ["fwd", "hopper_dq", "hopper_dq", "hopper", "hopper"], base
         cx = dict(wide[0][1])
         assert cx["HEAD_D"] == dv and cx["NWG"] == nwg and not cx["VARLEN"], cx
-        parts = [dict(c) for _, c in wide[2:]]
+        assert [dict(c)["HALF"] for _, c in wide[1:3]] == [1, 2], wide[1:3]
+        parts = [dict(c) for _, c in wide[3:]]
         assert [(c["PART"], c["HEAD_D"], c["DQK"], c["HEAD_DV"], c["WGS"]) for c in parts] == \
             [(p, 256, 256 if dv == 256 else 192, dv, 2) for p in (1, 2)], parts
         assert wide[1:] == base[1:], name
