@@ -1054,9 +1054,10 @@ def test_cuda_graph_capture(case, monkeypatch):
     leaves = [t.requires_grad_() for t in _inputs(2, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=29)[:3]]
     do = _inputs(2, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=30)[3]
 
-    def fwd_bwd():
+    def fwd_bwd():  # detached: an autograd graph kept alive across the capture holds the leaves' AccumulateGrad
+        # nodes on the stream that made them, which the capture may not depend on (cudaErrorStreamCaptureImplicit)
         out = deltamatch_attention(*leaves, causal=True, window=window)
-        return (out, *torch.autograd.grad(out, leaves, do))
+        return tuple(t.detach() for t in (out, *torch.autograd.grad(out, leaves, do)))
 
     eager = fwd_bwd()
     stream = torch.cuda.Stream()
