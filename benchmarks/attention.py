@@ -102,9 +102,9 @@ PRESETS = {
     # the Triton kernels with --tune "{'hopper_window': False}"
     "window4096": Shape("window4096", 2, 16, 16, 8192, 128, True, 4096),
     "window128": Shape("window128", 2, 16, 16, 8192, 128, True, 128),
-    # head dim 256 (Gemma 3, Qwen3-Next) and MLA's Dqk=192 / Dv=128 (DeepSeek-V3, Kimi Linear): the Gluon forward
-    # and dK/dV (launch.HOPPER_FWD_WIDE, HOPPER_DKDV_WIDE; the Triton ones with --tune "{'hopper_fwd_wide': False,
-    # 'hopper_dkdv_wide': False}"), the Triton dQ kernel
+    # head dim 256 (Gemma 3, Qwen3-Next) and MLA's Dqk=192 / Dv=128 (DeepSeek-V3, Kimi Linear): the Gluon forward,
+    # dQ and dK/dV (launch.HOPPER_FWD_WIDE, HOPPER_DQ_WIDE, HOPPER_DKDV_WIDE; the Triton ones with --tune
+    # "{'hopper_fwd_wide': False, 'hopper_dq_wide': False, 'hopper_dkdv_wide': False}")
     "d256": Shape("d256", 2, 8, 8, 8192, 256, True),
     "mla": Shape("mla", 2, 16, 16, 8192, 192, True, Dv=128),
 }
@@ -879,8 +879,8 @@ def graph_md(report) -> list[str]:
         if "graph_error" in res:
             lines.append(f"| {s['name']} | {o} | {res['fwdbwd_ms']:.3f} | capture failed: {res['graph_error'][:80]} | |")
             continue
-        graphed = {o_: r["graph_fwdbwd_ms"] for s_, o_, r in rows if s_ is s and "graph_fwdbwd_ms" in r}
-        ref = graphed.get(base) or next((t for o_, t in graphed.items() if o_ not in DM_OPS), None)
+        times = {o_: r["graph_fwdbwd_ms"] for s_, o_, r in rows if s_ is s and "graph_fwdbwd_ms" in r}
+        ref = times.get(base) or next((t for o_, t in times.items() if o_ not in DM_OPS), None)
         ratio = f"{res['graph_fwdbwd_ms'] / ref:.2f}×" if ref else "—"
         lines.append(f"| {s['name']} | {o} | {res['fwdbwd_ms']:.3f} | {res['graph_fwdbwd_ms']:.3f} | {ratio} |")
     return lines + [""]

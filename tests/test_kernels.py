@@ -525,6 +525,17 @@ def test_listed_triton_release_prefixes():
     assert launch.listed_triton("3.9.0", ("3.6",)) is None and launch.listed_triton("3.6.2", ("3.6",)) == "3.6"
 
 
+def _fake_sm90(monkeypatch):
+    """The Gluon kernels' host checks as on an H200 with a tested Triton, on this CPU machine: no interpreter, sm_90,
+    the first of launch.GLUON_TRITON_VERSIONS, the opt-out variable unset (the dispatch is host logic)."""
+    import triton
+
+    monkeypatch.setattr(KL, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
+    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+
+
 def test_gluon_case_and_why_not(monkeypatch):
     """launch._hopper_why_not, the one predicate behind the Gluon kernels' dispatch (_hopper_case) and the dispatch
     log: None for their case, else the first reason against it. Dense batches of N = M not a multiple of 128
@@ -534,12 +545,7 @@ def test_gluon_case_and_why_not(monkeypatch):
     test_hopper_ragged runs the kernels)."""
     import types
 
-    import triton
-
-    monkeypatch.setattr(KL, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
-    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+    _fake_sm90(monkeypatch)
     base = dict(fp8=True, e4m3=True, dqk=128, dv=128, block=128, varlen=False, window=None, n=8000, m=8000,
                 device=types.SimpleNamespace(type="cuda"), lse2_in=True, p_shift=8, causal=True)
 
@@ -591,12 +597,7 @@ def test_gluon_forward_wide_dims_dispatch(monkeypatch):
     with the capability and Triton version faked (tests/test_kernels_gpu.py::test_fwd_hopper_wide runs the kernel)."""
     import types
 
-    import triton
-
-    monkeypatch.setattr(KL, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
-    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+    _fake_sm90(monkeypatch)
     dev = types.SimpleNamespace(type="cuda")
     fwd = dict(fp8=True, block=128, varlen=False, window=None, n=8192, m=8192, device=dev, causal=True)
     bwd = dict(fwd, e4m3=True, lse2_in=True, p_shift=8)
@@ -652,12 +653,7 @@ def test_gluon_dq_wide_dims_dispatch(monkeypatch):
     Host logic with the capability and Triton version faked (tests/test_kernels_gpu.py::test_dq_hopper_wide runs it)."""
     import types
 
-    import triton
-
-    monkeypatch.setattr(KL, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
-    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+    _fake_sm90(monkeypatch)
     dev = types.SimpleNamespace(type="cuda")
     case = dict(fp8=True, e4m3=True, block=128, varlen=False, window=None, n=8192, m=8192, device=dev, causal=True,
                 lse2_in=True, p_shift=8)
@@ -696,13 +692,8 @@ def test_gluon_dkdv_wide_dims_dispatch(monkeypatch):
     Triton version faked (tests/test_kernels_gpu.py::test_dkdv_hopper_wide runs the kernel)."""
     import types
 
-    import triton
-
-    monkeypatch.setattr(KL, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
+    _fake_sm90(monkeypatch)
     monkeypatch.setattr(KL, "_sm90_ptxas_major", lambda: 12)
-    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
     dev = types.SimpleNamespace(type="cuda")
     case = dict(fp8=True, e4m3=True, block=128, varlen=False, window=None, n=8192, m=8192, device=dev, causal=True,
                 lse2_in=True, p_shift=8)
@@ -950,12 +941,7 @@ def test_gluon_window_dispatch(monkeypatch):
     pipelined dK MMA for it, and refuse them when asked for. The full mask has no window (ops passes None)."""
     import types
 
-    import triton
-
-    monkeypatch.setattr(KL, "INTERPRET", False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(triton, "__version__", KL.GLUON_TRITON_VERSIONS[0] + ".0")
-    monkeypatch.delenv(KL.GLUON_ENV, raising=False)
+    _fake_sm90(monkeypatch)
     base = dict(fp8=True, e4m3=True, dqk=128, dv=128, block=128, varlen=False, window=1024, n=8192, m=8192,
                 device=types.SimpleNamespace(type="cuda"), lse2_in=True, p_shift=8, causal=True)
 
