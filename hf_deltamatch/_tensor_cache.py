@@ -12,10 +12,11 @@ class TensorCache:
         self.size = size
         self._entries: list = []  # (tensors, versions, value), most recent last
 
-    def get(self, tensors: tuple, compute):
-        """compute() for these tensors, or its value from an earlier call with the same, unchanged tensors."""
+    def get(self, tensors: tuple, compute, key: tuple = ()):
+        """compute() for these tensors (and the hashable `key`: what else the value depends on), or its value from
+        an earlier call with the same, unchanged tensors and an equal key."""
         try:
-            versions = tuple(t._version for t in tensors)
+            versions = tuple(t._version for t in tensors) + tuple(key)
         except RuntimeError:  # inference tensors
             return compute()
         for ts, vs, value in self._entries:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import warnings
 from typing import Optional
 
 import torch
 
-from . import debug, outliers, reference
-from ._tensor_cache import TensorCache
+from . import _varlen, debug, outliers, reference
 from .config import DeltaMatchConfig
 
 _default_config = DeltaMatchConfig()
@@ -76,7 +76,9 @@ def _backend_module(name: str):
     return reference
 
 
-def _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k):
+    """Shapes, dtypes, devices and arguments: nothing that reads a tensor's values, so that torch.compile traces it.
+    The values of cu_seqlens are checked where they are read, once per tensor (_varlen)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be 4-D (batch, heads, tokens, head_dim); got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -105,6 +107,8 @@ def _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqle
                 f"{_MAX_HEAD_DIM}. Use attn_implementation='sdpa' (or 'eager') for this model."
             )
     if window is not None:
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+            raise TypeError(f"window must be a whole number of keys (an int), got {window!r}.")
         if not causal:
             raise ValueError("window (sliding-window attention) is supported with causal=True only.")
         if window < 1:
@@ -114,15 +118,16 @@ def _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqle
     if cu_seqlens_q is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be 1 (sequences concatenated on the token axis); got {B}.")
-        if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
-            raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with one entry per sequence plus one.")
-        end_q, end_k, decreasing = _CU_FACTS.get((cu_seqlens_q, cu_seqlens_k), lambda: torch.stack([
-            cu_seqlens_q[-1].long(), cu_seqlens_k[-1].long(),
-            ((cu_seqlens_q.diff() < 0).any() | (cu_seqlens_k.diff() < 0).any()).long()]).tolist())
-        if end_q != N or end_k != k.shape[2]:
-            raise ValueError(f"cu_seqlens end at {end_q}/{end_k} but q/k have {N}/{k.shape[2]} tokens.")
-        if decreasing:
-            raise ValueError("cu_seqlens must be non-decreasing.")
+        _varlen.check_static(cu_seqlens_q, cu_seqlens_k, q.device)
+
+
+def _as_cu_seqlens(cu, device):
+    """cu_seqlens given as a list or tuple of ints: the int32 tensor the op takes."""
+    if isinstance(cu, (list, tuple)):
+        if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in cu):
+            raise TypeError(f"cu_seqlens must hold whole numbers, got {list(cu)[:8]}.")
+        return torch.tensor(cu, dtype=torch.int32, device=device)
+    return cu
 
 
 def _check_sinks(sinks, q):
@@ -137,10 +142,6 @@ def _check_sinks(sinks, q):
                         "(differentiable, the gradient reaches the original parameter).")
     if sinks.device != q.device:
         raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}; move them to q's device.")
-
-
-# what _check_inputs reads of cu_seqlens (one host sync), per pair of cu_seqlens tensors: a model's layers share them
-_CU_FACTS = TensorCache()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -174,12 +175,26 @@ def _forward_impl(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqle
     """r_q, r_k, k_means: outliers.fused_args' transforms, which the fp8 Triton forward applies to q and k itself."""
     config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
     fused = {"qk_transform": (r_q, r_k, k_means)} if _fused(r_q, r_k, k_means) else {}
+    vl = _read_varlen(q, k, cu_seqlens_q, cu_seqlens_k)
     out, lse, *saved = _backend_module(backend).forward(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, cu_seqlens_q=cu_seqlens_q,
-        cu_seqlens_k=cu_seqlens_k, config=config, **fused)
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, config=config, **_cu_args(vl), **fused)
     if sinks is not None:  # after the kernels: out and LSE of the softmax with the sink (docs/numerics.md)
         out, lse = reference.apply_sinks(out, lse, sinks)
     return (out, lse, *saved)
+
+
+def _read_varlen(q, k, cu_seqlens_q, cu_seqlens_k):
+    """The checked sequences of a packed batch (_varlen: its values read once per pair of tensors), else None.
+    Here, inside the op, so that torch.compile never traces a read of cu_seqlens."""
+    if cu_seqlens_q is None:
+        return None
+    return _varlen.varlen(cu_seqlens_q, cu_seqlens_k, q.shape[2], k.shape[2])
+
+
+def _cu_args(vl):
+    if vl is None:
+        return dict(cu_seqlens_q=None, cu_seqlens_k=None, varlen=None)
+    return dict(cu_seqlens_q=vl.cu_q, cu_seqlens_k=vl.cu_k, varlen=vl)
 
 
 def _fused(*transforms) -> bool:
@@ -211,24 +226,27 @@ def _attention_backward(
     window: Optional[int], cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     precision: str, delta: str, block: int, scale_rounding: str, grad_format: str, backend: str,
     deterministic: bool, sinks: Optional[torch.Tensor] = None, r_q: Optional[torch.Tensor] = None,
-    r_k: Optional[torch.Tensor] = None, smooth_k: bool = False,
+    r_k: Optional[torch.Tensor] = None, smooth_k: bool = False, dlse: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
                           cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend,
-                          deterministic, sinks, r_q, r_k, smooth_k)
+                          deterministic, sinks, r_q, r_k, smooth_k, dlse)
 
 
 def _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
                    cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend,
-                   deterministic, sinks=None, r_q=None, r_k=None, smooth_k=False):
+                   deterministic, sinks=None, r_q=None, r_k=None, smooth_k=False, dlse=None):
     """(dq, dk, dv, d sinks): with sinks, lse (and out) are the sink-aware ones the forward returned, and d sinks
     comes from the delta the backend formed dS with; without, d sinks is empty. r_q, r_k, smooth_k: the transforms
-    the forward fused, whose backward maps the op's dq', dk' to dq, dk (kernels/transform.py)."""
+    the forward fused, whose backward maps the op's dq', dk' to dq, dk (kernels/transform.py). dlse: the gradient
+    of the returned LSE, which the backend folds into dS (docs/numerics.md, "The LSE's gradient")."""
     config = _config_from_args(precision, delta, block, scale_rounding, grad_format, backend, deterministic)
+    qs, ks = (q8, k8) if precision == "fp8" else (q, k)
+    vl = _read_varlen(qs, ks, cu_seqlens_q, cu_seqlens_k)
+    extra = {} if dlse is None else {"dlse": dlse}
     grads = _backend_module(backend).backward(
         do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal=causal, softmax_scale=softmax_scale,
-        window=window, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, config=config,
-        return_delta=sinks is not None)
+        window=window, config=config, return_delta=sinks is not None, **_cu_args(vl), **extra)
     if _fused(r_q, r_k, smooth_k):
         from .kernels.transform import transform_grads
 
@@ -242,7 +260,7 @@ def _backward_impl(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale,
 @_attention_backward.register_fake
 def _(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, causal, softmax_scale, window,
       cu_seqlens_q, cu_seqlens_k, precision, delta, block, scale_rounding, grad_format, backend, deterministic,
-      sinks=None, r_q=None, r_k=None, smooth_k=False):
+      sinks=None, r_q=None, r_k=None, smooth_k=False, dlse=None):
     qs, ks, vs = (q8, k8, v8) if precision == "fp8" else (q, k, v)
     dsinks = lse.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
     return (do.new_empty(qs.shape), do.new_empty(ks.shape), do.new_empty(vs.shape), dsinks)
@@ -261,10 +279,11 @@ def _setup_context(ctx, inputs, output):
     ctx.sinks_grad = sinks is not None and ctx.needs_input_grad[at]  # needs the backward's delta
     r_q, r_k, k_means = (tuple(inputs[at + 1:at + 4]) + (None,) * 3)[:3]  # the fused transforms, if any
     ctx.smooth_k = k_means is not None
+    ctx.out_shape, ctx.out_dtype = tuple(q.shape[:3]) + (v.shape[3],), q.dtype
     out, lse, q8, k8, v8, sq, sk, sv = output
-    # Only `out` carries a gradient; backprop through lse would otherwise be dropped silently.
-    ctx.mark_non_differentiable(lse, q8, k8, v8, sq, sk, sv)
-    # no zero-filled gradients for the seven outputs without one (a fill kernel each per backward)
+    # out and lse carry gradients (lse's folds into dS); the saved operands do not
+    ctx.mark_non_differentiable(q8, k8, v8, sq, sk, sv)
+    # no zero-filled gradients for the outputs without one (a fill kernel each per backward)
     ctx.set_materialize_grads(False)
     fp8 = ctx.args["precision"] == "fp8"
     stale = ctx.args["delta"] == "stale"
@@ -276,19 +295,46 @@ def _setup_context(ctx, inputs, output):
         config=_config_from_args(**{a: ctx.args[a] for a in _CONFIG_ARGS})) if debug.enabled() else None
 
 
-def _backward(ctx, grad_out, *_unused_grads, backward_op=_attention_backward):
-    if grad_out is None:  # out took no part in the loss (grads are not materialized)
+def _backward(ctx, grad_out, grad_lse=None, *_unused_grads, backward_op=_attention_backward):
+    if grad_out is None and grad_lse is None:  # neither out nor lse took part in the loss
         return (None,) * ctx.n_inputs
     q, k, v, out, lse, q8, k8, v8, sq, sk, sv, sinks, r_q, r_k = ctx.saved_tensors
     a = ctx.args
-    dq, dk, dv, dsinks = backward_op(
-        grad_out.contiguous(), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, a["causal"], a["softmax_scale"],
-        a["window"], a["cu_seqlens_q"], a["cu_seqlens_k"], a["precision"], a["delta"], a["block"],
-        a["scale_rounding"], a["grad_format"], a["backend"], a["deterministic"], sinks, r_q, r_k, ctx.smooth_k)
+    backend = a["backend"]
+    if grad_lse is not None and backend == "triton":
+        # the kernels form delta inside the dQ kernel; the reference backward takes the same saved operands
+        _warn_once("deltamatch_fp8: a gradient through the returned LSE is computed by the PyTorch reference "
+                   "backward (same numerics, slower than the Triton kernels).")
+        backend = "reference"
+    do = grad_out.contiguous() if grad_out is not None else lse.new_zeros(ctx.out_shape, dtype=ctx.out_dtype)
+    with torch.no_grad():  # the backward is not differentiable again (see _no_second_derivative)
+        dq, dk, dv, dsinks = backward_op(
+            do, q, k, v, out, lse, q8, k8, v8, sq, sk, sv, a["causal"], a["softmax_scale"],
+            a["window"], a["cu_seqlens_q"], a["cu_seqlens_k"], a["precision"], a["delta"], a["block"],
+            a["scale_rounding"], a["grad_format"], backend, a["deterministic"], sinks, r_q, r_k, ctx.smooth_k,
+            None if grad_lse is None else grad_lse.float().contiguous())
     if getattr(ctx, "check_call", None) is not None:
-        debug.check(ctx.check_call, "backward", {"dq": dq, "dk": dk, "dv": dv}, grad_out)
-    return ((dq, dk, dv) + (None,) * len(_NON_TENSOR_ARGS) + (dsinks if ctx.sinks_grad else None,)
-            + (None,) * 3)[:ctx.n_inputs]
+        debug.check(ctx.check_call, "backward", {"dq": dq, "dk": dk, "dv": dv}, do)
+    grads = (dq, dk, dv, dsinks if ctx.sinks_grad else None)
+    if torch.is_grad_enabled():  # backward(create_graph=True)
+        grads = _no_second_derivative(grads)
+    return (grads[:3] + (None,) * len(_NON_TENSOR_ARGS) + grads[3:] + (None,) * 3)[:ctx.n_inputs]
+
+
+_SECOND_DERIVATIVE = (b"deltamatch_attention has no second derivative: its backward (FP8 quantization, Delta-Matching) "
+                      b"is not differentiable again. Keep attention out of the double backward (e.g. detach its "
+                      b"output where create_graph=True is needed), or use attn_implementation='eager'.")
+
+
+def _no_second_derivative(grads):
+    """The gradients as outputs of a node that raises when differentiated (backward(create_graph=True), then a
+    gradient of them): a clear error instead of the autograd graph of the backward's own ops."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    err = torch._C._functions.DelayedError(_SECOND_DERIVATIVE, len(present))
+    flagged = iter(err(*[g.detach().requires_grad_() for g in present]))
+    return tuple(None if g is None else next(flagged) for g in grads)
 
 
 torch.library.register_autograd("hf_deltamatch::attention_forward", _backward, setup_context=_setup_context)
@@ -306,8 +352,8 @@ class _EagerAttention(torch.autograd.Function):
         _setup_context(ctx, inputs, output)
 
     @staticmethod
-    def backward(ctx, grad_out, *unused):
-        return _backward(ctx, grad_out, *unused, backward_op=_backward_impl)
+    def backward(ctx, grad_out, grad_lse, *unused):
+        return _backward(ctx, grad_out, grad_lse, *unused, backward_op=_backward_impl)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -336,21 +382,27 @@ def deltamatch_attention(
     q (B, Hq, N, Dqk), k (B, Hkv, M, Dqk), v (B, Hkv, M, Dv) in bf16/fp16; returns (B, Hq, N, Dv) in the
     input dtype (and the fp32 log-sum-exp (B, Hq, N) if `return_lse`). GQA/MQA: Hq a multiple of Hkv.
     causal:        bottom-right aligned when N < M (as flash-attention).
-    cu_seqlens_*:  packed sequences (B must be 1), int32 cumulative lengths; sequences never see each other.
-    max_seqlen_*:  accepted for flash-attention compatibility (computed from cu_seqlens when needed).
+    cu_seqlens_*:  packed sequences (B must be 1): int32 cumulative lengths (a tensor on q's device, or a list),
+                   from 0 to the number of tokens; sequences never see each other; empty sequences are allowed.
+    max_seqlen_*:  accepted for flash-attention compatibility and not used (computed from cu_seqlens).
     window:        sliding window with causal: each query sees its `window` most recent keys, itself included.
     config:        DeltaMatchConfig (default: `set_default_config`'s, then HF_DELTAMATCH_* env overrides).
     sinks:         learnable attention sinks (gpt-oss `s_aux`): fp32 (Hq,), one logit per query head, in the units
                    of softmax_scale * q.k, joining every softmax denominator with no value row; differentiable.
                    The returned LSE then includes the sink.
+    return_lse:    also return the LSE; a gradient through it is folded into dS (docs/numerics.md).
     """
     config = (config or _default_config).with_env_overrides()
-    _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    cu_seqlens_q, cu_seqlens_k = _as_cu_seqlens(cu_seqlens_q, q.device), _as_cu_seqlens(cu_seqlens_k, q.device)
+    _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k)
     if sinks is not None:
         _check_sinks(sinks, q)
     if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        d = q.shape[-1]  # a SymInt under torch.compile's dynamic shapes: no math.sqrt, no check (positive)
+        softmax_scale = 1.0 / math.sqrt(d) if isinstance(d, int) else 1.0 / d ** 0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}.")
+    elif not (math.isfinite(softmax_scale) and softmax_scale > 0):
         # the kernels take the row max on unscaled scores (max(qk) * scale == max(qk * scale) needs scale > 0)
         raise ValueError(f"softmax_scale must be a finite number > 0 (got {softmax_scale}); scale q instead.")
     backend = resolve_backend(config, q.device)
@@ -366,8 +418,6 @@ def deltamatch_attention(
             _warn_once(f"deltamatch_fp8: Triton kernels do not support this input ({reason}); using the PyTorch "
                        "reference backend (same numerics, slower).")
             backend = "reference"
-    if cu_seqlens_q is not None:
-        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32)
     key_means = None
     q_in, k_in = q, k
     qk = ()
@@ -393,4 +443,12 @@ def deltamatch_attention(
     if return_lse and key_means is not None:  # smoothing lowered every score of query i by the same amount
         q_op = outliers.rotate_queries(q, qk[0]) if qk else q  # the q' the op's scores came from
         lse = lse + outliers.lse_shift(q_op, key_means, softmax_scale, cu_seqlens_q)
+        if lse.requires_grad:
+            lse.register_hook(_no_lse_grad_with_smoothing)
     return (out, lse) if return_lse else out
+
+
+def _no_lse_grad_with_smoothing(grad):
+    raise RuntimeError("a gradient through the LSE of deltamatch_attention(return_lse=True) is not supported with "
+                       "smooth_k=True (the LSE's shift by the key means is added outside the op, without a "
+                       "gradient); use smooth_k=False where the LSE enters the loss.")

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from . import _varlen
 from .config import DeltaMatchConfig
 
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -184,7 +185,7 @@ def _forward_group(ops: _Operands, n, m, causal, window, softmax_scale, block):
     return out, lse
 
 
-def _backward_group(ops: _Operands, do8, sdo, delta_stale, lse, n, m, causal, window, softmax_scale, cfg):
+def _backward_group(ops: _Operands, do8, sdo, delta_stale, lse, n, m, causal, window, softmax_scale, cfg, dlse=None):
     block = cfg.block
     B, H = ops.q.shape[:2]
     dqk, dv = ops.q.shape[-1], ops.v.shape[-1]
@@ -212,6 +213,8 @@ def _backward_group(ops: _Operands, do8, sdo, delta_stale, lse, n, m, causal, wi
             delta = (p * dp).sum(dim=-1, keepdim=True)  # the correction pass, over every visible key
         else:
             delta = delta_stale[:, :, r0:r1, None]
+        if dlse is not None:  # d LSE_i / d S_ij = P_ij: the LSE's gradient joins dS as a shift of delta
+            delta = delta - torch.where(alive, dlse[:, :, r0:r1, None], 0.0)
         ds = p * (dp - delta)
         deltas[:, :, r0:r1] = delta[..., 0]
         row_sums[:, :, r0:r1] = ds.sum(dim=-1)
@@ -245,11 +248,14 @@ def _backward_group(ops: _Operands, do8, sdo, delta_stale, lse, n, m, causal, wi
 # ----------------------------------------------------------------------------------------------------
 
 
-def _segments(n_total: int, m_total: int, cu_seqlens_q, cu_seqlens_k):
-    """[(q0, q1, k0, k1)] token ranges of each sequence; one range when there is no varlen."""
+def _segments(n_total: int, m_total: int, cu_seqlens_q, cu_seqlens_k, varlen=None):
+    """[(q0, q1, k0, k1)] token ranges of each sequence; one range when there is no varlen. varlen: the op's checked
+    reading of cu_seqlens (hf_deltamatch._varlen), else they are read here."""
     if cu_seqlens_q is None:
         return [(0, n_total, 0, m_total)]
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    if varlen is None:  # a direct call (the op reads them itself): tokens may lie outside every sequence
+        varlen = _varlen.varlen(cu_seqlens_q, cu_seqlens_k, n_total, m_total, cover=False)
+    cq, ck = varlen.bounds_q, varlen.bounds_k
     return [(cq[i], cq[i + 1], ck[i], ck[i + 1]) for i in range(len(cq) - 1)]
 
 
@@ -267,9 +273,10 @@ def _quantize_inputs(x: torch.Tensor, segments, which: int, cfg: DeltaMatchConfi
     return x8, scale
 
 
-def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, config: DeltaMatchConfig):
+def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, config: DeltaMatchConfig,
+            varlen=None):
     """Returns (out, lse, q8, k8, v8, q_scale, k_scale, v_scale); the FP8 tensors are empty in bf16 mode."""
-    segments = _segments(q.shape[2], k.shape[2], cu_seqlens_q, cu_seqlens_k)
+    segments = _segments(q.shape[2], k.shape[2], cu_seqlens_q, cu_seqlens_k, varlen)
     B, Hq, N, _ = q.shape
     out = q.new_zeros(B, Hq, N, v.shape[-1])
     lse = torch.full((B, Hq, N), float("-inf"), dtype=torch.float32, device=q.device)
@@ -296,12 +303,13 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
 
 def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, causal, softmax_scale, window,
              cu_seqlens_q, cu_seqlens_k, config: DeltaMatchConfig, return_row_sums: bool = False,
-             return_delta: bool = False):
+             return_delta: bool = False, varlen=None, dlse=None):
     """Returns (dq, dk, dv) in the input dtypes (plus the dS row sums and |dS| row sums if asked, then the
     fp32 (B, Hq, N) delta dS was formed with if asked: 0 on rows that see no key or lie outside every sequence).
 
     fp8 mode reads q8/k8/v8 and their scales (q/k/v may be None); bf16 mode reads q/k/v.
-    `out` is needed for delta="stale" only.
+    `out` is needed for delta="stale" only. dlse: the gradient of the LSE (B, Hq, N), folded into dS
+    (docs/numerics.md, "The LSE's gradient"); the delta returned then includes it.
     """
     fp8 = config.precision == "fp8"
     dtype = do.dtype
@@ -311,7 +319,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
         ones = lambda x: torch.ones(x.shape[:-1], dtype=torch.float32, device=x.device)  # noqa: E731
         operands = (q, k, v, ones(q), ones(k), ones(v))
     qs, ks, vs = operands[:3]
-    segments = _segments(qs.shape[2], ks.shape[2], cu_seqlens_q, cu_seqlens_k)
+    segments = _segments(qs.shape[2], ks.shape[2], cu_seqlens_q, cu_seqlens_k, varlen)
     if fp8:
         do8, sdo = _quantize_inputs(do, segments, 0, config, config.grad_format)
     else:
@@ -334,7 +342,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
                         config, dtype)
         stale = None if delta_stale is None else delta_stale[:, :, q0:q1]
         g = _backward_group(ops, do8[:, :, q0:q1], sdo[:, :, q0:q1], stale, lse[:, :, q0:q1], q1 - q0, k1 - k0,
-                            causal, window, softmax_scale, config)
+                            causal, window, softmax_scale, config, None if dlse is None else dlse[:, :, q0:q1].float())
         dq[:, :, q0:q1], dk[:, :, k0:k1], dv[:, :, k0:k1] = g[0], g[1], g[2]
         row_sums[:, :, q0:q1], row_abs[:, :, q0:q1], deltas[:, :, q0:q1] = g[3], g[4], g[5]
     grads = (dq.to(dtype), dk.to(dtype), dv.to(dtype))

@@ -10,14 +10,16 @@ from hf_deltamatch.kernels import segments as S  # noqa: E402
 
 
 def test_padded_layout_rows():
-    """Each sequence at a multiple of 128 rows, in order; empty sequences take no rows; tokens outside every
-    sequence (before cu[0], from cu[-1] on) have no row."""
+    """Each sequence at a multiple of 128 rows, in order; empty sequences are dropped before the kernels see them
+    (hf_deltamatch._varlen); tokens outside every sequence (before cu[0], from cu[-1] on) have no row."""
     cu = torch.tensor([3, 8, 8, 143, 303], dtype=torch.int32)  # lengths 5, 0, 135, 160
     z = torch.zeros(1, 1, 320, 16)
     nseq, max_n, _, cu_q, _, _, packing = KO._seq_info(z, z, cu, cu)
-    assert (nseq, max_n, packing) == (4, 160, (3, 303, 128 + 256 + 256))
+    assert (nseq, max_n, packing) == (3, 160, (3, 303, 128 + 256 + 256))
+    assert cu_q.tolist() == [3, 8, 143, 303]
     seg = S.padded_layout(cu_q, *packing)
-    assert seg.pcu.tolist() == [0, 128, 128, 384, 640]
+    assert seg.pcu.tolist() == [0, 128, 384, 640]
+    assert S.padded_layout(cu, *packing).pcu.tolist() == [0, 128, 128, 384, 640]  # an empty one takes no rows
     src = [-1] * 640  # the packed token of each padded row: tokens 3..7 at 0.., 8..142 at 128.., 143..302 at 384..
     src[0:5], src[128:263], src[384:544] = range(3, 8), range(8, 143), range(143, 303)
     assert seg.src.tolist() == src and seg.npad == 640

@@ -1,4 +1,5 @@
-"""_tensor_cache.TensorCache: what is read of cu_seqlens on the host, computed once per tensor, not per layer."""
+"""_tensor_cache.TensorCache: what is read of cu_seqlens on the host, computed once per tensor, not per layer
+(hf_deltamatch._varlen uses it for CUDA tensors: tests/test_varlen.py)."""
 
 import torch
 
@@ -29,26 +30,5 @@ def test_found_again_by_identity_and_version_only():
         cache.get((c,), lambda: compute(c))
         cache.get((c,), lambda: compute(c))
     assert len(calls) == 8
-
-
-def test_attention_checks_cu_seqlens_once_per_tensor(monkeypatch):
-    """deltamatch_attention's cu_seqlens checks (one host read) run again only for other or changed tensors, and
-    still refuse bad ones."""
-    import pytest
-
-    from hf_deltamatch import attention as A
-    from hf_deltamatch.attention import deltamatch_attention
-    from hf_deltamatch.config import DeltaMatchConfig
-    cfg = DeltaMatchConfig(backend="reference")
-    A._CU_FACTS.clear()
-    q = torch.randn(1, 2, 10, 16, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    for _ in range(2):
-        deltamatch_attention(q, q, q, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, config=cfg)
-    assert len(A._CU_FACTS._entries) == 1
-    cu[1] = 12  # decreasing now: the check sees the change
-    with pytest.raises(ValueError, match="non-decreasing"):
-        deltamatch_attention(q, q, q, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, config=cfg)
-    with pytest.raises(ValueError, match="end at"):
-        short = torch.tensor([0, 4, 9], dtype=torch.int32)
-        deltamatch_attention(q, q, q, causal=True, cu_seqlens_q=short, cu_seqlens_k=short, config=cfg)
+    cache.get((a,), lambda: compute(a), key=(5,))  # another key: computed
+    assert len(calls) == 9

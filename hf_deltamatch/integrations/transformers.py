@@ -1,22 +1,34 @@
 """`attn_implementation="deltamatch_fp8"` for transformers models.
 
-Registers an attention function and, under the same name, a mask function: transformers builds the mask
-through the function registered for the model's attention implementation, and without one it would drop
-padding masks silently. The mask function is transformers' flash-attention one (a 2D padding mask, or
-None when nothing is padded), because the op, like flash-attention, takes padding as varlen sequences; plus
-one case transformers only handles for names containing "flash": with a static cache, `generate()` drops an
-all-ones mask, and the key/value tensors are the whole preallocated cache. Our mask function then returns a
-mask as long as the filled part, and the attention function reads only those keys (as `_upad_input` does).
+Registers an attention function and, under the same name, a mask function (masks.py): transformers builds the masks
+through the function registered for the model's attention implementation, and without one it would drop padding
+masks silently. The attention function runs what the mask says:
+
+  no mask               dense rows (or packed rows given as flash-attention's `cu_seq_lens_*` kwargs)
+  padding (bool)        each row's real tokens moved to the front and run as packed sequences (a row's queries
+                        with its real keys, and the padding as a sequence of its own), then moved back
+  segments (int32)      packed documents or chunks, each a sequence, in place
+
+The layout of a mask (gather indices, cu_seqlens) is built on the device with shapes fixed by the input's, so no
+step reads a device value on the host; in eager mode it is built once per forward (every layer gets the same mask
+tensor) and looked up by the others. The sequences' bounds, which the kernels' launch grids need, are then read
+once per forward by the op (hf_deltamatch._varlen).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .. import debug
+from .._tensor_cache import TensorCache
 from ..attention import deltamatch_attention
+from .masks import deltamatch_mask
 
 NAME = "deltamatch_fp8"
+
+__all__ = ["NAME", "deltamatch_attention_forward", "deltamatch_mask", "register"]
 
 
 def _target_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:
@@ -34,24 +46,6 @@ def _target_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:
         if isinstance(layer, torch.nn.Linear) and layer.weight.dtype in (torch.bfloat16, torch.float16):
             return layer.weight.dtype
     return torch.bfloat16
-
-
-def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-
-
-def _packed_from_position_ids(position_ids: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-    """cu_seqlens when one row holds several documents whose position_ids restart at 0, else None."""
-    if position_ids is None or batch != 1 or length == 1 or position_ids.shape[-1] != length:
-        return None
-    pos = position_ids.reshape(-1)
-    starts = (pos == 0).nonzero().flatten()
-    if len(starts) == 0 or (len(starts) == 1 and starts[0] == 0):
-        return None  # one document (possibly a chunk continuing at a later position)
-    if starts[0] != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    bounds = torch.cat([starts, starts.new_tensor([length])])
-    return bounds.to(torch.int32)
 
 
 def _check_unsupported(module, dropout, softcap, kwargs):
@@ -77,6 +71,117 @@ def _check_unsupported(module, dropout, softcap, kwargs):
                          "for output_attentions=True.")
 
 
+# ----------------------------------------------------------------------------------------------------
+# Layouts: a mask as packed sequences, built on the device with fixed shapes
+# ----------------------------------------------------------------------------------------------------
+
+
+class _Layout(NamedTuple):
+    """Packed sequences over the B * S queries and B * KV keys of a batch, flattened row by row."""
+
+    q_index: torch.Tensor | None  # (B * S,) int64: the flat query row at each packed position (None: in order)
+    k_index: torch.Tensor | None  # (B * KV,) likewise for keys (the same tensor as q_index for self-attention)
+    q_back: torch.Tensor | None  # the packed position of each flat query row (q_index's inverse)
+    cu_q: torch.Tensor  # int32 cumulative sequence lengths (the same tensor as cu_k for self-attention)
+    cu_k: torch.Tensor
+
+
+def _cu(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(lengths.flatten().cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _real_first(real: torch.Tensor) -> torch.Tensor:
+    """(B * L,) int64: flat token indices of each row's real tokens in order, then its padding (a stable sort)."""
+    B, L = real.shape
+    order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)
+    return (order + torch.arange(B, device=real.device)[:, None] * L).flatten()
+
+
+def _assert_contiguous(real: torch.Tensor, why: str) -> None:
+    """Every row's real tokens form one run (left or right padding, no holes); checked on the device, without a
+    host read: a violation stops the run (a device-side assertion on CUDA) with this message."""
+    L = real.shape[1]
+    idx = torch.arange(L, device=real.device)
+    n = real.sum(1)
+    span = torch.where(real, idx, -1).amax(1) - torch.where(real, idx, L).amin(1) + 1
+    torch._assert_async(((n == 0) | (span == n)).all(),
+                        f"deltamatch_fp8: {why} needs each row's padding at its start or end, not between real tokens "
+                        "(attention_mask has a hole); use attn_implementation='sdpa' for such masks.")
+
+
+def _padding_layout(real: torch.Tensor, S: int, causal: bool, window: int | None) -> _Layout:
+    """A 2D padding mask (B, KV) as two sequences per row: the real tokens, then the padding (its own sequence).
+    Causal: the queries are the last S key positions (the real ones are the last real keys: bottom-right causal);
+    otherwise (bidirectional, cross-attention) every query sees the row's real keys and the padding sequence has no
+    queries."""
+    B, KV = real.shape
+    if window is not None:  # a window counts positions; packing the real tokens together would shorten it at a hole
+        _assert_contiguous(real, "a sliding window over a padded batch")
+    n_k = real.sum(1, dtype=torch.int32)
+    k_index = _real_first(real)
+    cu_k = _cu(torch.stack([n_k, KV - n_k], 1))
+    if not causal:
+        full = torch.full_like(n_k, S)
+        return _Layout(None, k_index, None, _cu(torch.stack([full, full - S], 1)), cu_k)
+    if S == KV:
+        return _Layout(k_index, k_index, torch.argsort(k_index), cu_k, cu_k)
+    real_q = real[:, KV - S:]
+    n_q = real_q.sum(1, dtype=torch.int32)
+    q_index = _real_first(real_q)
+    return _Layout(q_index, k_index, torch.argsort(q_index), _cu(torch.stack([n_q, S - n_q], 1)), cu_k)
+
+
+def _segment_layout(seg: torch.Tensor) -> _Layout:
+    """Segment ids (B, N), -1 for padding (masks.py), as packed sequences in place: one per run of equal ids (a
+    row's leading or trailing padding is a run of its own). cu_seqlens have B * N + 1 entries, the unused ones
+    empty sequences at the end (the op drops them), so that their shape does not depend on the data."""
+    B, N = seg.shape
+    _assert_contiguous(seg >= 0, "packed documents or chunked attention with padding")
+    start = torch.ones_like(seg, dtype=torch.bool)
+    start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    T = B * N
+    pos = torch.arange(T, dtype=torch.int32, device=seg.device)
+    starts = torch.sort(torch.where(start.flatten(), pos, T)).values
+    cu = torch.cat([starts, starts.new_full((1,), T)])
+    return _Layout(None, None, None, cu, cu)
+
+
+_LAYOUTS = TensorCache(size=8)
+
+
+def _layout(mask: torch.Tensor, S: int, KV: int, causal: bool, window: int | None) -> _Layout:
+    def build():
+        if mask.dtype == torch.bool:
+            return _padding_layout(mask, S, causal, window)
+        if not causal or S != KV:
+            raise ValueError("deltamatch_fp8: segment masks (packed documents, chunks) are causal self-attention; got "
+                             f"causal={causal}, {S} queries over {KV} keys.")
+        return _segment_layout(mask)
+
+    if torch.compiler.is_compiling():  # traced: computed in the graph (no Python-side cache)
+        return build()
+    return _LAYOUTS.get((mask,), build, key=(S, KV, causal, window))
+
+
+def _pack(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, L, D) -> (1, H, B * L, D): rows flattened in order, or taken in `index` order."""
+    B, H, L, D = x.shape
+    if index is None:
+        return x if B == 1 else x.transpose(0, 1).reshape(1, H, B * L, D)
+    return x.transpose(0, 1).reshape(H, B * L, D).index_select(1, index)[None]
+
+
+def _unpack(out: torch.Tensor, back: torch.Tensor | None, B: int, S: int) -> torch.Tensor:
+    """(1, H, B * S, Dv) packed -> (B, S, H, Dv), the layout transformers expects back."""
+    rows = out[0] if back is None else out[0].index_select(1, back)
+    return rows.transpose(0, 1).reshape(B, S, out.shape[1], out.shape[3])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The attention function
+# ----------------------------------------------------------------------------------------------------
+
+
 def deltamatch_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -95,6 +200,8 @@ def deltamatch_attention_forward(
     if debug.enabled():  # HF_DELTAMATCH_CHECK_FINITE: its errors name the layer
         debug.set_layer(f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if getattr(getattr(module, "config", None), "is_causal", True) is False and is_causal is None:
+        causal = False  # a decoder-only model's bidirectional mode (its config's is_causal)
     in_dtype = query.dtype
     if in_dtype == torch.float32:
         dtype = _target_dtype(query, module)
@@ -104,62 +211,37 @@ def deltamatch_attention_forward(
     # learnable attention sinks (gpt-oss and others pass them as s_aux): fp32 for the op, the cast differentiable
     sinks = kwargs.get("s_aux")
     sinks = sinks.float() if sinks is not None else None
-    window = sliding_window if causal and sliding_window is not None else None
     if sliding_window is not None and not causal:
         raise ValueError("deltamatch_fp8 supports sliding windows on causal attention only.")
+    window = sliding_window
     B, H, S, _ = query.shape
-    kv_len = key.shape[2]
-    attn = lambda q, k, v, **kw: deltamatch_attention(q, k, v, causal=causal, softmax_scale=scaling,  # noqa: E731
-                                                      window=window, sinks=sinks, **kw)
+    KV = key.shape[2]
 
-    if attention_mask is not None and attention_mask.dim() != 2:
+    def attn(q, k, v, **kw):
+        return deltamatch_attention(q, k, v, causal=causal, softmax_scale=scaling, window=window, sinks=sinks, **kw)
+
+    mask = attention_mask
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
         raise ValueError(
-            f"deltamatch_fp8 takes a 2D padding mask (from its registered mask function), got a "
-            f"{attention_mask.dim()}D mask. Custom 4D masks are not supported: use attn_implementation='sdpa'."
+            f"deltamatch_fp8 takes the masks of its registered mask function (2D), got "
+            f"{type(mask).__name__ if not isinstance(mask, torch.Tensor) else f'a {mask.dim()}D mask'}. Custom 4D "
+            "masks are not supported: use attn_implementation='sdpa'."
         )
-    if attention_mask is not None and attention_mask.shape[1] < kv_len:
-        # Static cache: only the first mask-length slots hold keys, the rest are empty preallocated slots.
-        kv_len = attention_mask.shape[1]
-        key, value = key[:, :, :kv_len], value[:, :, :kv_len]
-
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if cu_q is not None and cu_k is not None:  # packed batch from DataCollatorWithFlattening & co.
-        flat = lambda x: x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[-1]) if x.shape[0] > 1 else x  # noqa
-        out = attn(flat(query), flat(key), flat(value), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-        out = out.reshape(out.shape[1], B, S, -1).transpose(0, 1) if B > 1 else out
-    elif attention_mask is not None:  # padding: unpad into varlen sequences, scatter back
-        key_mask = attention_mask[:, -kv_len:].bool()
-        query_mask = key_mask[:, -S:]
-        q_idx, k_idx = query_mask.flatten().nonzero().flatten(), key_mask.flatten().nonzero().flatten()
-        gather = lambda x, idx: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])[idx].transpose(0, 1)[None]  # noqa
-        out_packed = attn(gather(query, q_idx), gather(key, k_idx), gather(value, k_idx),
-                          cu_seqlens_q=_cu_seqlens(query_mask.sum(1)), cu_seqlens_k=_cu_seqlens(key_mask.sum(1)))
-        out = out_packed.new_zeros(B * S, H, value.shape[-1])
-        out[q_idx] = out_packed[0].transpose(0, 1)
-        return out.reshape(B, S, H, -1).to(in_dtype), None
-    else:
-        cu = _packed_from_position_ids(kwargs.get("position_ids"), B, S) if S == kv_len else None
-        if cu is not None:
-            out = attn(query, key, value, cu_seqlens_q=cu, cu_seqlens_k=cu)
-        else:
-            out = attn(query, key, value)
-    return out.transpose(1, 2).to(in_dtype), None
-
-
-def deltamatch_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
-                    attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """transformers mask function: flash-attention's 2D padding mask (None without padding), and for causal
-    masks over a static cache, whose key tensors are longer than what has been written, an all-True mask of
-    the written length (the keys past the last query are empty, and causally invisible anyway)."""
-    from transformers.masking_utils import flash_attention_mask
-
-    mask = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
-                                **kwargs)
-    if mask is None and "allow_is_bidirectional_skip" not in kwargs:  # only bidirectional masks pass this kwarg
-        written = int(q_offset) + q_length - int(kv_offset)
-        if written < kv_length:
-            mask = torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
-    return mask
+    if mask is not None and mask.dtype == torch.bool and mask.shape[1] < KV:
+        # a static cache: only the first mask-length slots hold keys, the rest are empty preallocated slots
+        KV = mask.shape[1]
+        key, value = key[:, :, :KV], value[:, :, :KV]
+    if mask is None:
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        if cu_q is None or cu_k is None:
+            return attn(query, key, value).transpose(1, 2).to(in_dtype), None
+        # packed rows from DataCollatorWithFlattening & co.: cu_seq_lens over the batch's rows, one after another
+        out = attn(_pack(query, None), _pack(key, None), _pack(value, None), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        return _unpack(out, None, B, S).to(in_dtype), None
+    lay = _layout(mask, S, KV, causal, window)
+    out = attn(_pack(query, lay.q_index), _pack(key, lay.k_index), _pack(value, lay.k_index),
+               cu_seqlens_q=lay.cu_q, cu_seqlens_k=lay.cu_k)
+    return _unpack(out, lay.q_back, B, S).to(in_dtype), None
 
 
 def register() -> None:

@@ -29,8 +29,9 @@ from .launch import (
     _grid, _hopper_why_not, _use_tma, listed_triton, log, log_dispatch,
 )
 from .quantize import TAIL_ROWS, _fill_outside, quantize, quantize_padded, token_major
+from .. import _varlen
 from .._tensor_cache import TensorCache
-from .segments import ROW_ALIGN, Segments, pad, padded_layout, padded_rows
+from .segments import ROW_ALIGN, Segments, pad, padded_layout
 
 __all__ = ["backward", "forward", "supports"]
 
@@ -83,9 +84,7 @@ def supports(q, k, v, window, config) -> str | None:
     return None
 
 
-# _seq_info's varlen results and the padded layouts of packed batches, per cu_seqlens tensors (each is one host
-# sync to compute; a model's layers share their cu_seqlens)
-_SEQ_INFO = TensorCache()
+# the padded layouts of packed batches, per cu_seqlens tensor (a model's layers share their cu_seqlens)
 _LAYOUTS = TensorCache()
 
 
@@ -94,23 +93,44 @@ def _layout(cu_seqlens, packing):
     return _LAYOUTS.get((cu_seqlens,), lambda: padded_layout(cu_seqlens, *packing))
 
 
-def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k):
+def _seq_info(q, k, cu_seqlens_q, cu_seqlens_k, varlen=None):
     """(nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, starts_aligned, packing) of the launch grids, the
     cu_seqlens as contiguous int32 for the kernels; dense batches are one 'sequence' per batch row.
     starts_aligned: every sequence starts at a multiple of 16 tokens (_use_tma). packing: for a varlen batch whose
     query and key sequences are the same (self-attention), (first token, end token, rows of the padded layout)
-    for segments.padded_layout, else None. One host sync for a varlen batch the first time its cu_seqlens tensors
-    come (_SEQ_INFO), none for a dense one."""
-    return _seq_facts(q, k, cu_seqlens_q, cu_seqlens_k)[:7]
+    for segments.padded_layout, else None. varlen: the op's reading of cu_seqlens (hf_deltamatch._varlen, one host
+    read per pair of tensors), read here if not given; none for a dense batch."""
+    return _seq_facts(q, k, cu_seqlens_q, cu_seqlens_k, varlen)[:7]
 
 
-def _seq_facts(q, k, cu_seqlens_q, cu_seqlens_k):
+def _seq_facts(q, k, cu_seqlens_q, cu_seqlens_k, varlen=None):
     """_seq_info's tuple and, last, (rq64, rk64, rq128, rk128): the largest query / key sequence length modulo 64
     and 128 (_whole_tiles)."""
     if cu_seqlens_q is None:
         n, m = q.shape[2], k.shape[2]
         return 1, n, m, None, None, True, None, (n % 64, m % 64, n % 128, m % 128)
-    return _SEQ_INFO.get((cu_seqlens_q, cu_seqlens_k), lambda: _varlen_info(cu_seqlens_q, cu_seqlens_k))
+    if varlen is None:  # a direct call (the op reads them itself): tokens may lie outside every sequence
+        varlen = _varlen.varlen(cu_seqlens_q, cu_seqlens_k, q.shape[2], k.shape[2], cover=False)
+    return _LAUNCH_FACTS.get((varlen.cu_q, varlen.cu_k), lambda: _launch_facts(varlen),
+                             key=(varlen.bounds_q, varlen.bounds_k))
+
+
+_LAUNCH_FACTS = TensorCache()
+
+
+def _launch_facts(varlen):
+    """_seq_facts of a varlen batch from its bounds (host integers: no device read)."""
+    bq, bk = varlen.bounds_q, varlen.bounds_k
+    nseq = varlen.nseq
+    if nseq < 1:
+        return 0, 0, 0, varlen.cu_q, varlen.cu_k, True, None, (0, 0, 0, 0)
+    lq = [b - a for a, b in zip(bq, bq[1:])]
+    lk = [b - a for a, b in zip(bk, bk[1:])]
+    aligned = all(x % 16 == 0 for x in bq[:-1]) and all(x % 16 == 0 for x in bk[:-1])
+    npad = sum(-(-x // ROW_ALIGN) * ROW_ALIGN for x in lq)
+    packing = (bq[0], bq[-1], npad) if varlen.same else None
+    rems = (max(x % 64 for x in lq), max(x % 64 for x in lk), max(x % 128 for x in lq), max(x % 128 for x in lk))
+    return nseq, max(lq), max(lk), varlen.cu_q, varlen.cu_k, aligned, packing, rems
 
 
 def _whole_tiles(rems, queries: int = 0, keys: int = 0) -> bool:
@@ -122,27 +142,6 @@ def _whole_tiles(rems, queries: int = 0, keys: int = 0) -> bool:
     instead: _tma_rows.)"""
     rq, rk = {64: rems[0], 128: rems[2]}, {64: rems[1], 128: rems[3]}
     return (not queries or rq[queries] == 0) and (not keys or rk[keys] == 0)
-
-
-def _varlen_info(cu_seqlens_q, cu_seqlens_k):
-    cu_seqlens_q = cu_seqlens_q.to(torch.int32).contiguous()
-    cu_seqlens_k = cu_seqlens_k.to(torch.int32).contiguous()
-    nseq = cu_seqlens_q.numel() - 1
-    if nseq < 1:
-        return 0, 0, 0, cu_seqlens_q, cu_seqlens_k, True, None, (0, 0, 0, 0)
-    lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    lengths_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-    if cu_seqlens_k.shape == cu_seqlens_q.shape:
-        differ = (cu_seqlens_q != cu_seqlens_k).any()
-    else:
-        differ = torch.ones((), dtype=torch.bool, device=cu_seqlens_q.device)
-    lq, lk, rq, rk, first, last, npad, differ, *rems = torch.stack([x.long() for x in (
-        lengths.max(), lengths_k.max(),
-        (cu_seqlens_q[:-1] % 16).max(), (cu_seqlens_k[:-1] % 16).max(),
-        cu_seqlens_q[0], cu_seqlens_q[-1], padded_rows(lengths).sum(), differ,
-        (lengths % 64).max(), (lengths_k % 64).max(), (lengths % 128).max(), (lengths_k % 128).max())]).tolist()
-    packing = None if differ else (int(first), int(last), int(npad))
-    return nseq, int(lq), int(lk), cu_seqlens_q, cu_seqlens_k, rq == 0 and rk == 0, packing, tuple(rems)
 
 
 def _quantize_segments(cu_seqlens, packing, block):
@@ -216,9 +215,12 @@ def _s4(t):
     return t.stride() if t is not None else (0, 0, 0, 0)
 
 
-def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, config, qk_transform=None):
+def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, config, qk_transform=None,
+            varlen=None):
     """reference.forward's results. qk_transform (fp8 only): outliers.fused_args' (r_q, r_k, k_means), applied to
-    q and k by their quantization pass (the saved q8, k8 are those of q', k')."""
+    q and k by their quantization pass (the saved q8, k8 are those of q', k'). varlen: the op's reading of
+    cu_seqlens (hf_deltamatch._varlen)."""
+    seqs = varlen
     B, Hq, N, dqk = q.shape
     _, Hkv, M, dv = v.shape
     fp8 = config.precision == "fp8"
@@ -235,7 +237,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
     if q.is_cuda and not INTERPRET:
         _warn_untested_triton()
     nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing, rems = _seq_facts(q, k, cu_seqlens_q,
-                                                                                        cu_seqlens_k)
+                                                                                        cu_seqlens_k, seqs)
     seg = _quantize_segments(cu_seqlens_q, packing, T)
     qkw = dict(block=T, rounding=config.scale_rounding, max_len=max_n, cu_seqlens=cu_seqlens_q, segments=seg)
     kvw = dict(block=T, rounding=config.scale_rounding, max_len=max_m, cu_seqlens=cu_seqlens_k, segments=seg)
@@ -327,8 +329,13 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
 
 
 def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, causal, softmax_scale, window,
-             cu_seqlens_q, cu_seqlens_k, config, return_row_sums: bool = False, return_delta: bool = False):
-    """(dq, dk, dv), then the row sums if asked, then delta (B, Hq, N) fp32 if asked (reference.backward's)."""
+             cu_seqlens_q, cu_seqlens_k, config, return_row_sums: bool = False, return_delta: bool = False,
+             varlen=None, dlse=None):
+    """(dq, dk, dv), then the row sums if asked, then delta (B, Hq, N) fp32 if asked (reference.backward's).
+    dlse (a gradient of the LSE) is not taken: the op runs reference.backward for it."""
+    if dlse is not None:
+        raise ValueError("the Triton kernels take no LSE gradient (dlse); reference.backward folds it into dS")
+    seqs = varlen
     fp8 = config.precision == "fp8"
     stale = config.delta == "stale"
     T = config.block
@@ -342,7 +349,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     varlen = cu_seqlens_q is not None
     _check_tune()
     nseq, max_n, max_m, cu_seqlens_q, cu_seqlens_k, aligned, packing, rems = _seq_facts(qs, ks, cu_seqlens_q,
-                                                                                        cu_seqlens_k)
+                                                                                        cu_seqlens_k, seqs)
     if stale and out is None:
         raise ValueError("delta='stale' needs the forward output.")
     lse = lse.contiguous()

@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Every kernel launch the package makes for a set of inputs, recorded on any machine (no GPU, no kernel runs).
+
+  python benchmarks/launch_trace.py --write FILE     # record the default cases' launches
+  python benchmarks/launch_trace.py --check FILE     # exit 1, with the differences, if today's differ
+
+For each case of `cases()` (the inputs of sm90_registers.py --hash: D 64/128/256 and MLA, causal, full and windowed
+masks, GQA, dense N = 8192 and ragged N = 8000, packed and other varlen batches, fp8 and bf16, e5m2, block 64,
+matching and stale delta), ops.forward then ops.backward run on CPU stand-ins with the Gluon kernels' conditions (an
+sm_90 device, Triton 3.6) answered as on the H200, and each JIT launch is caught before it reaches a device: the
+kernel, the hash of its source and of the functions it calls (Triton's cache key), its grid, warps, stages and
+constexprs, and every other argument's dtype, shape and strides (or value). Two trees whose lines agree launch the
+same compiled kernels on the same data layouts, so a refactor of the host code that keeps them equal needs no new
+GPU run: tests/test_launch_trace.py holds today's launches to tests/gpu_tested_launches.txt, the record of the tree
+whose GPU tests last passed on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.pop("TRITON_INTERPRET", None)  # the compiled kernels' launches, not the interpreter's
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+
+def cases() -> dict:
+    """{name: input} (sm90_registers.default_cases' shapes, with the default plan: no tuning overrides)."""
+    out = {}
+    for d in (64, 128):
+        for causal in (True, False):
+            for hq, hkv in ((4, 4), (16, 4)):
+                for n in (8192, 8000):
+                    for precision in ("fp8", "bf16"):
+                        for delta in ("matching", "stale"):
+                            if precision == "bf16" and (n == 8192 or hq != hkv):
+                                continue
+                            mask = "causal" if causal else "full"
+                            out[f"d{d}-{mask}-h{hq}:{hkv}-n{n}-{precision}-{delta}"] = dict(
+                                d=d, causal=causal, hq=hq, hkv=hkv, n=n, precision=precision, delta=delta)
+        for hq, hkv in ((4, 4), (16, 4)):
+            for delta in ("matching", "stale"):
+                out[f"d{d}-packed-h{hq}:{hkv}-{delta}"] = dict(d=d, causal=True, hq=hq, hkv=hkv, n=8000,
+                                                                varlen=(3000, 4000, 1000), delta=delta)
+            for n in (8192, 8000):
+                out[f"d{d}-window-h{hq}:{hkv}-n{n}"] = dict(d=d, causal=True, hq=hq, hkv=hkv, n=n, window=1024)
+        out[f"d{d}-window-packed"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000),
+                                          window=1024)
+        out[f"d{d}-varlen-unaligned"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3001, 3999, 1000))
+        out[f"d{d}-varlen-full"] = dict(d=d, causal=False, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000))
+        out[f"d{d}-e5m2"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, grad_format="e5m2")
+        out[f"d{d}-block64"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, block=64)
+        out[f"d{d}-cross"] = dict(d=d, causal=False, hq=4, hkv=4, n=1000, m=3000)
+    for causal in (True, False):
+        mask = "causal" if causal else "full"
+        for precision in ("fp8", "bf16"):
+            out[f"d256-{mask}-{precision}"] = dict(d=256, causal=causal, hq=4, hkv=4, n=8192, precision=precision)
+        out[f"d256-{mask}-h16:4"] = dict(d=256, causal=causal, hq=16, hkv=4, n=8192)
+        out[f"mla-192:128-{mask}"] = dict(d=192, dv=128, causal=causal, hq=4, hkv=4, n=8192)
+    out["d128-gqa-full-stale"] = dict(d=128, causal=False, hq=16, hkv=4, n=8192, delta="stale")
+    out["d128-rotation"] = dict(d=128, causal=True, hq=4, hkv=4, n=8192, qk_rotation="hadamard")
+    out["d128-smooth-k-packed"] = dict(d=128, causal=True, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000),
+                                       smooth_k=True)
+    return out
+
+
+@contextlib.contextmanager
+def _as_on_the_h200():
+    """Gluon's conditions answered as on the H200 (sm_90, Triton 3.6.0, CUDA 12.8's ptxas), and every JIT launch
+    recorded into the yielded list instead of run."""
+    from hf_deltamatch.kernels import launch as KL
+
+    launches = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, grid, kwargs))
+
+    saved = (JITFunction.run, torch.cuda.get_device_capability, triton.__version__, KL._sm90_ptxas_major)
+    JITFunction.run = run
+    torch.cuda.get_device_capability = lambda *a: (9, 0)
+    triton.__version__ = "3.6.0"
+    KL._sm90_ptxas_major = lambda: 12
+    hopper_case = getattr(KL, "_hopper_case", None)
+    if hopper_case is not None:  # the launch code decides per call, on the tensors' (CPU) device
+        KL._hopper_case = lambda **kw: hopper_case(**{**kw, "device": torch.device("cuda")})
+    plan = sys.modules.get("hf_deltamatch.kernels.plan")
+    if plan is not None and hasattr(plan, "SIMULATE_SM90"):
+        plan.SIMULATE_SM90 = True
+    try:
+        yield launches
+    finally:
+        JITFunction.run, torch.cuda.get_device_capability, triton.__version__, KL._sm90_ptxas_major = saved
+        if hopper_case is not None:
+            KL._hopper_case = hopper_case
+        if plan is not None and hasattr(plan, "SIMULATE_SM90"):
+            plan.SIMULATE_SM90 = False
+
+
+def _arg(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}/{list(x.stride())}"
+    if type(x).__name__ == "TensorDescriptor":
+        return f"desc({_arg(x.base)},shape={list(x.shape)},strides={list(x.strides)},block={list(x.block_shape)})"
+    if isinstance(x, float):
+        return repr(float(x))
+    return repr(x)
+
+
+def trace(case: dict) -> list[str]:
+    """One line per launch of ops.forward then ops.backward for `case` (cases())."""
+    from hf_deltamatch import outliers
+    from hf_deltamatch.config import DeltaMatchConfig
+    from hf_deltamatch.kernels import ops as KO
+
+    d, dv, n = case["d"], case.get("dv", case["d"]), case["n"]
+    m = case.get("m", n)
+    B = 1 if "varlen" in case else 2
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, case["hq"], n, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(B, case["hkv"], m, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(B, case["hkv"], m, dv, generator=g).to(torch.bfloat16)
+    cu = None
+    if "varlen" in case:
+        cu = torch.cumsum(torch.tensor((0, *case["varlen"])), 0).to(torch.int32)
+    config = DeltaMatchConfig(precision=case.get("precision", "fp8"), delta=case.get("delta", "matching"),
+                              block=case.get("block", 128), grad_format=case.get("grad_format", "e4m3"))
+    kw = dict(causal=case["causal"], softmax_scale=None, window=case.get("window"), cu_seqlens_q=cu, cu_seqlens_k=cu,
+              config=config)
+    extra = {}
+    if case.get("qk_rotation") or case.get("smooth_k"):
+        r_q, r_k, means, _ = outliers.fused_args(q, k, case.get("qk_rotation", "none"), case.get("smooth_k", False),
+                                                 cu)
+        extra = dict(qk_transform=(r_q, r_k, means))
+    with _as_on_the_h200() as launches:
+        out, lse, q8, k8, v8, sq, sk, sv = KO.forward(q, k, v, **kw, **extra)
+        KO.backward(torch.zeros_like(out), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, **kw)
+    lines = []
+    for fn, args, grid, kwargs in launches:
+        grid = grid if isinstance(grid, tuple) else "callable"
+        opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "num_ctas") if k in kwargs}
+        named = dict(zip(fn.arg_names, args))
+        named.update(kwargs)
+        constexprs = {a: named[a] for a in fn.arg_names if fn.params[fn.arg_names.index(a)].is_constexpr}
+        rest = {a: _arg(v) for a, v in named.items() if a not in constexprs}
+        lines.append(f"{fn.__name__} key={fn.cache_key[:16]} grid={grid} {dict(sorted(opts.items()))} "
+                     f"constexprs={dict(sorted(constexprs.items()))} args={rest}")
+    return lines
+
+
+def trace_all() -> list[str]:
+    lines = []
+    for name, case in cases().items():
+        lines.append(f"# {name}")
+        lines.extend(trace(case))
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--write", metavar="FILE")
+    g.add_argument("--check", metavar="FILE")
+    args = p.parse_args()
+    lines = trace_all()
+    if args.write:
+        Path(args.write).write_text(f"# triton {triton.__version__}\n" + "\n".join(lines) + "\n")
+        return
+    recorded = Path(args.check).read_text().splitlines()[1:]
+    diff = list(difflib.unified_diff(recorded, lines, "recorded", "today", lineterm="", n=1))
+    print("\n".join(diff) if diff else "every launch as recorded")
+    sys.exit(1 if diff else 0)
+
+
+if __name__ == "__main__":
+    main()
