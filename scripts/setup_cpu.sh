@@ -10,3 +10,4 @@ source .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q -r .ci/requirements.txt
 python -m pip install -q --no-deps -e .
+bash scripts/accelerate_default_config.sh
