@@ -225,7 +225,8 @@ def seed_runs(root: Path) -> list[list[Path]]:
                 report = json.loads(text)
             except json.JSONDecodeError:
                 continue
-            if not isinstance(report, dict) or not ("shapes" in report or ("runs" in report and "environment" in report)):
+            if not isinstance(report, dict) or not (
+                    "shapes" in report or ("runs" in report and "environment" in report)):
                 continue
             date, commit = _date(report["meta"].get("date", "")), _commit(report["environment"])
         elif "# Attention benchmark" in text:
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", type=Path, help="result files of one run")
     parser.add_argument("--seed", type=Path, metavar="CHECKOUT_ROOT",
-                        help="read every run under CHECKOUT_ROOT/benchmarks/results (e.g. a worktree of an older commit)")
+                        help="read every run under CHECKOUT_ROOT/benchmarks/results (e.g. an older commit's archive)")
     parser.add_argument("--csv", type=Path, default=CSV_PATH)
     parser.add_argument("--commit", help="record this commit instead of the files' own")
     args = parser.parse_args(argv)
