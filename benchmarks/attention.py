@@ -12,7 +12,7 @@ Times fwd, bwd and fwd+bwd of
 and records peak memory and the relative error of out/dq/dk/dv against an fp32 reference for each.
 Results go to <out>/attention-<date>-<gpu>.json and .md; the markdown is printed to stdout last.
 
-  python benchmarks/attention.py                 # every preset (ANCHORS.md shapes, D=64, GQA, N=65536, N=8000)
+  python benchmarks/attention.py                 # every preset (the baselines' shapes, D=64, GQA, N=65536, N=8000)
   python benchmarks/attention.py --quick         # one shape (N=8192 causal)
   python benchmarks/attention.py --shapes n8192c,gqa --ops dm-fp8-matching,sdpa-cudnn
   python benchmarks/attention.py --shapes gptoss --sinks   # the sinks row (gpt-oss-like GQA 8:1, D=64)
@@ -22,7 +22,7 @@ Results go to <out>/attention-<date>-<gpu>.json and .md; the markdown is printed
   python benchmarks/attention.py --shapes window4096,window128 --ops dm-fp8-matching,flex \
       [--tune "{'hopper_window': False}"]       # sliding windows: the Gluon kernels, or the Triton ones
 
-Conventions (shared/ANCHORS.md): FLOPs fwd = 4*B*Hq*N^2*D (halved for causal; with a sliding window of W keys
+Conventions (those of docs/baselines.md): FLOPs fwd = 4*B*Hq*N^2*D (halved for causal; with a sliding window of W keys
 4*B*Hq*D times the (query, key) pairs it shows, W*N - W*(W-1)/2), bwd = 2.5x, fwd+bwd = 3.5x;
 times are triton.testing.do_bench medians with the L2 flushed before each run.
 """
@@ -86,7 +86,7 @@ class Shape:
         return f"B{self.B} {heads} N{self.N} {dims} {'causal' if self.causal else 'full'}{window}"
 
 
-# ANCHORS.md: B*N = 16384 tokens, hidden 2048 -> Hq = 2048 / D. N = 65536 runs at B = 1 (as ANCHORS.md).
+# docs/baselines.md's shapes: B*N = 16384 tokens, hidden 2048 -> Hq = 2048 / D. N = 65536 runs at B = 1 (as there).
 PRESETS = {
     "n4096c": Shape("n4096c", 4, 16, 16, 4096, 128, True),
     "n8192c": Shape("n8192c", 2, 16, 16, 8192, 128, True),
@@ -112,7 +112,7 @@ QUICK = ["n8192c"]
 # Dry run (CPU, reference backend): GQA + causal, and full attention with a short last tile.
 DRY_RUN_SHAPES = [Shape("tiny-gqa", 1, 4, 2, 192, 64, True), Shape("tiny-full", 1, 2, 2, 96, 32, False)]
 
-# ANCHORS.md fwd+bwd ms on the H200 for kernels this run cannot time (extra wheels). They are compared through
+# docs/baselines.md's fwd+bwd ms on the H200 for kernels this run cannot time (extra wheels). They are compared through
 # the ratio to SDPA cuDNN measured in this run: est = this run's cuDNN * anchor / anchor cuDNN.
 ANCHOR_FWDBWD_MS = {
     "n4096c": {"sdpa-cudnn": 2.098, "fa4": None, "cudnn-fp8": 1.750},
@@ -195,7 +195,7 @@ OP_TITLES = {"dm-fp8-matching": "dm fp8-matching", "dm-fp8-stale": "dm fp8-stale
              "dm-fp8-hadamard": "dm fp8 +hadamard", "dm-fp8-smooth-k": "dm fp8 +smooth_k",
              "dm-fp8-hadamard-smooth-k": "dm fp8 +both"}
 # Sanity bounds for the "check" column (not the test suite's tolerances): BF16 kernels land near 3e-3 against
-# fp32 (ANCHORS.md), FP8 ones near 3-5 %; anything far beyond is a broken kernel, however fast.
+# fp32 (docs/baselines.md), FP8 ones near 3-5 %; anything far beyond is a broken kernel, however fast.
 ERR_BOUND = {"bf16": 2e-2, "fp8": 1.5e-1}
 
 
@@ -790,7 +790,7 @@ def header_md(report) -> list[str]:
 
 
 def summary_md(report) -> list[str]:
-    """ANCHORS.md-style table: one row per shape, fwd+bwd ms (TFLOP/s) per op; ours also × vs the base."""
+    """The summary table: one row per shape, fwd+bwd ms (TFLOP/s) per op; ours also × vs the base."""
     ops = report["meta"]["ops"]
     has_anchor = any(s.get("anchor_estimates_ms") for s in report["shapes"])
     anchor_cols = list(ANCHOR_NAMES) if has_anchor else []
@@ -828,8 +828,8 @@ def summary_md(report) -> list[str]:
             cells.append(f"{ms:.3f} ({flops / (ms * 1e-3) / 1e12:.0f})" if _finite(ms) else "—")
         lines.append(f"| {s['name']}: {s['label']} | " + " | ".join(cells) + " |")
     if anchor_cols:
-        lines += ["", "FA4 est. / cuDNN FP8 est.: ANCHORS.md's times for kernels this run cannot load, scaled by "
-                      "(this run's SDPA cuDNN / ANCHORS.md's SDPA cuDNN)."]
+        lines += ["", "FA4 est. / cuDNN FP8 est.: docs/baselines.md's times for kernels this run cannot load, scaled by "
+                      "(this run's SDPA cuDNN / docs/baselines.md's SDPA cuDNN)."]
     return lines + [""]
 
 
@@ -907,7 +907,7 @@ def write_outputs(report, json_path: Path, md_path: Path):
 
 
 def stdout_md(report) -> str:
-    """Header, details and failures first, the ANCHORS.md-style table last (the runner keeps the output's tail)."""
+    """Header, details and failures first, the summary table last (the runner keeps the output's tail)."""
     return "\n".join(header_md(report) + detail_md(report) + failures_md(report) + graph_md(report)
                      + summary_md(report))
 

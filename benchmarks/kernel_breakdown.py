@@ -8,7 +8,7 @@ with SDPA cuDNN BF16 timed in the same run as the base, and launch-config varian
 Per-kernel device times come from torch.profiler (sum of each kernel's CUDA time per call); totals from
 triton.testing.do_bench (median, L2 flushed). The correction pass is the dQ kernel's time with
 delta="matching" minus with delta="stale" (the stale dQ kernel skips the first pass over the keys).
-FLOPs: ANCHORS.md convention (fwd 4*B*H*N^2*D, halved for causal; bwd 2.5x; fwd+bwd 3.5x).
+FLOPs: docs/baselines.md's convention (fwd 4*B*H*N^2*D, halved for causal; bwd 2.5x; fwd+bwd 3.5x).
 """
 
 import argparse

@@ -36,6 +36,9 @@ def check_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.model or args.data:
         from . import fidelity
+        from ._quiet_imports import import_transformers_modeling
+
+        import_transformers_modeling()
 
         return fidelity.check_main(args)
     profiles = diagnostics.PROFILES if args.profile == "all" else (args.profile,)

@@ -1,7 +1,7 @@
 """Smoke tests of benchmarks/attention.py: its conventions, its writers, and the CPU dry run end to end.
 
 The numbers themselves come from the H200 (`bash benchmarks/gpu_check.sh "$OUT"`); here we check that the
-script runs, that its FLOP convention matches shared/ANCHORS.md, and that failures land in the report.
+script runs, that its FLOP convention matches docs/baselines.md, and that failures land in the report.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def bench():
 
 
 def test_flop_convention_matches_anchors(bench):
-    # ANCHORS.md: SDPA cuDNN fwd+bwd 3.865 ms = 498 TFLOP/s at N=8192 causal, 7.154 ms = 538 at N=8192 full,
-    # 113.1 ms = 544 at N=65536 causal (B=1); fwd alone 1.014 ms = 542 at N=8192 causal.
+    # docs/baselines.md: SDPA cuDNN fwd+bwd 3.865 ms = 498 TFLOP/s at N=8192 causal, 7.154 ms = 538 at N=8192 full,
+    # 113.1 ms = 544 at N=65536 causal (B=1); and a forward alone of 1.014 ms at N=8192 causal is 542.
     for name, key, ms, tflops in [("n8192c", "fwdbwd", 3.865, 498), ("n8192f", "fwdbwd", 7.154, 538),
                                   ("n65536c", "fwdbwd", 113.1, 544), ("n8192c", "fwd", 1.014, 542)]:
         flops = bench.attention_flops(bench.PRESETS[name])
@@ -112,7 +112,7 @@ def test_writers_report_ratios_failures_and_skips(bench, tmp_path):
     assert data["shapes"][0]["ops"]["dm-fp8-stale"]["err"]["out"] == "nan"
     md = md_path.read_text()
     assert "3.000 (" in md and "1.29×" in md  # ours: ms (TFLOP/s) and speed-up vs cuDNN
-    assert "FA4 est." in md and "3.440 (559)" in md  # ANCHORS.md's FA4 at N=8192 causal: 3.440 ms = 559 TFLOP/s
+    assert "FA4 est." in md and "3.440 (559)" in md  # docs/baselines.md's FA4 at N=8192 causal: 3.440 ms = 559 TFLOP/s
     assert "**WRONG**" in md  # the non-finite error is flagged in the summary table
     assert "## Failures" in md and "dm-bf16 (at first call): ValueError" in md
     assert "time budget" in md and "†" in md
@@ -172,7 +172,7 @@ def test_dry_run_end_to_end(tmp_path):
         assert 0 < saved["dm-fp8-matching"] < 0.65 * saved["dm-bf16"], saved
     assert "DRY RUN" in md_path.read_text()
     last = proc.stdout.rstrip().splitlines()[-1]
-    assert last.startswith("| tiny-full:"), last  # the ANCHORS.md-style table is printed last
+    assert last.startswith("| tiny-full:"), last  # the summary table is printed last
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -93,6 +93,63 @@ def train(cfg: TrainConfig) -> dict:
         return _train(cfg)
     finally:
         torch.set_num_threads(threads)
+        _console_logging(None)
+
+
+def _drop_tied_copies(models, weights, output_dir) -> None:
+    """accelerate's save_state pre-hook: keep one name per tensor in the state dicts it saves.
+
+    Tied weights (the LM head sharing the embedding) appear under two names of one tensor. safetensors cannot store
+    aliases, so accelerate drops the later names itself, with a warning to check that reloading restores them; it
+    does (safetensors' load_model re-derives the ties from the model, and resuming continues bit-identically,
+    tests/test_recipe_train.py). This drops the same names first, so the saved files are the same."""
+    for state_dict in weights:
+        seen = set()
+        for name in list(state_dict):
+            t = state_dict[name]
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if key in seen:
+                del state_dict[name]
+            else:
+                seen.add(key)
+
+
+class _ConsoleHandler(logging.Handler):
+    """The run's report: INFO lines to stdout (beside the progress bar's validation lines), warnings to stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stream = sys.stdout if record.levelno < logging.WARNING else sys.stderr
+        try:
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def _console_logging(main: bool | None) -> None:
+    """Print hf_deltamatch's log records during a run: INFO and up on the main process, warnings elsewhere; `None`
+    restores the logger. Only hf_deltamatch's: the libraries' INFO records (accelerate's checkpoint lines) are not
+    the run's report, and their warnings reach stderr through logging's last-resort handler as before. Where the
+    application has configured logging (a root handler), records go there instead, as with logging.basicConfig."""
+    pkg = logging.getLogger("hf_deltamatch")
+    ours = [h for h in pkg.handlers if isinstance(h, _ConsoleHandler)]
+    if main is None:
+        for h in ours:
+            pkg.removeHandler(h)
+        pkg.setLevel(_console_logging.saved_level)
+        return
+    if not ours:
+        _console_logging.saved_level = pkg.level
+        if not logging.getLogger().handlers:
+            handler = _ConsoleHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO if main else logging.WARNING)
+
+
+_console_logging.saved_level = logging.NOTSET
 
 
 def _train(cfg: TrainConfig) -> dict:
@@ -121,8 +178,9 @@ def _train(cfg: TrainConfig) -> dict:
     )
     if accelerator.distributed_type.name == "FSDP":
         _fsdp_mixed_precision(accelerator)
+    accelerator.register_save_state_pre_hook(_drop_tied_copies)
     main = accelerator.is_main_process
-    logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(message)s")
+    _console_logging(main)
     set_seed(cfg.seed)
 
     resume_dir = None

@@ -177,6 +177,14 @@ def build_config(cfg: TrainConfig, tokenizer):
 
 def build_model(cfg: TrainConfig, tokenizer):
     """The causal LM (float32 master weights; bf16 compute comes from autocast)."""
+    from .._quiet_imports import import_torchao_float8, import_transformers_modeling
+
+    if cfg.fp8_linear:
+        try:  # before transformers imports it, so that torchao's own messages are shown: the run uses it
+            import_torchao_float8()
+        except ImportError as e:
+            raise ConfigError(f"--fp8_linear needs torchao's float8 training: {e}")
+    import_transformers_modeling()
     from transformers import AutoModelForCausalLM
 
     attn = setup_attention(cfg)
@@ -196,7 +204,7 @@ def build_model(cfg: TrainConfig, tokenizer):
                                                           for m in model.modules()):
         log.warning(refusal)
     if n_linear:
-        log.info("Gated DeltaNet layers run per document (%d layers; flash-linear-attention not installed)", n_linear)
+        _announce_torch_gated_deltanet(n_linear)
     if cfg.fused_norms:
         from .norms import fuse_rms_norms
 
@@ -287,6 +295,37 @@ def keep_linear_attention_documents_apart(model: nn.Module, force: bool = False)
         module.forward = _per_document(module.forward, packed)
         module._hf_dm_per_doc = True
     return len(layers)
+
+
+# transformers' notices (logger below, one per function, at the first call) that a Gated DeltaNet layer runs its torch
+# reference code because flash-linear-attention / causal-conv1d is missing: the per-document layers above run exactly
+# that code, and `_announce_torch_gated_deltanet` says so once for all of them instead.
+_TRANSFORMERS_FALLBACK_LOGGER = "transformers.integrations.hub_kernels"
+_GATED_DELTANET_FUNCTIONS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                             "causal_conv1d_update")
+
+
+class _AnnouncedFallbacks(logging.Filter):
+    """Drops transformers' fallback notice for a Gated DeltaNet function; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("is falling back to its reference PyTorch implementation" in msg
+                    and any(msg.startswith(f"`{name}`") for name in _GATED_DELTANET_FUNCTIONS))
+
+
+def _announce_torch_gated_deltanet(n_layers: int) -> None:
+    """One notice for the Gated DeltaNet layers that run transformers' torch code per document: information on a
+    CPU (FLA and causal-conv1d are CUDA kernels), a warning on a GPU, where installing FLA is the fix."""
+    if torch.cuda.is_available():
+        log.warning("Gated DeltaNet layers run transformers' torch implementation once per document (%d layers): "
+                    "flash-linear-attention is not installed (pip install 'hf-deltamatch[hybrid]')", n_layers)
+    else:
+        log.info("Gated DeltaNet layers run transformers' torch implementation once per document (%d layers)",
+                 n_layers)
+    fallback_log = logging.getLogger(_TRANSFORMERS_FALLBACK_LOGGER)
+    if not any(isinstance(f, _AnnouncedFallbacks) for f in fallback_log.filters):
+        fallback_log.addFilter(_AnnouncedFallbacks())
 
 
 def keep_short_conv_documents_apart(model: nn.Module, force: bool = False) -> int:
@@ -405,21 +444,22 @@ def convert_linear_to_fp8(model: nn.Module, compile: bool = False) -> None:
     torch.compile on each float8 linear.
 
     FP8 tensor cores (H100/H200) run the GEMMs. torchao computes each scale and cast as separate eager kernels unless
-    compiled: eagerly, the 1.7B hybrid's 64K step took 6.73 s against 4.56 s with bf16 linears on the H200
-    (benchmarks/results/2026-12-02-h200-hybrid). Compiling each linear, not the model, leaves the attention and
-    Gated DeltaNet kernels outside dynamo. Without CUDA, torch's CPU `_scaled_mm` emulates the FP8 GEMMs with the same
-    rounding: slow, but the same numerics, which is what the CPU tests and rehearsals need.
+    compiled, which makes eager FP8 linears slower than bf16 ones (docs/performance.md). Compiling each linear, not
+    the model, leaves the attention and Gated DeltaNet kernels outside dynamo. Without CUDA, torch's CPU `_scaled_mm`
+    emulates the FP8 GEMMs with the same rounding: slow, but the same numerics, which is what the CPU tests and
+    rehearsals need.
     """
+    from .._quiet_imports import import_torchao_float8
+
     try:
-        from torchao.float8 import convert_to_float8_training
-        from torchao.float8.float8_linear import Float8Linear
+        convert_to_float8_training, Float8Linear = import_torchao_float8()
     except ImportError as e:
         raise ConfigError(f"--fp8_linear needs torchao's float8 training: {e}")
     if not torch.cuda.is_available():
         log.warning("--fp8_linear without a CUDA GPU: FP8 GEMMs are emulated on the CPU (slow; for testing).")
     elif not compile:
-        log.warning("--fp8_linear runs torchao's float8 linears eagerly, which measured slower than bf16 linears on "
-                    "the H200 (0.68x tokens/s at 64K); --compile_fp8_linear compiles them.")
+        log.warning("--fp8_linear runs torchao's float8 linears eagerly, which measured slower than bf16 linears "
+                    "(docs/performance.md); --compile_fp8_linear compiles them.")
 
     def keep(mod: nn.Module, fqn: str) -> bool:
         # FP8 GEMMs need both dims divisible by 16; the LM head stays in bf16 (as DeepSeek-V3 / torchao recipes do)

@@ -1,13 +1,11 @@
 """The model's RMSNorms through torch's `F.rms_norm` (`--fused_norms`).
 
 transformers' RMSNorms run eagerly in fp32: upcast, pow, mean, rsqrt, one or two multiplies and a downcast, each a
-kernel that reads and writes the whole activation, each saved for backward, all of it twice under checkpointing.
-On the 1.7B hybrid's 64K step they and the Gated DeltaNet's fp32 gating took ~0.4-0.5 s of 3.8 s together
-(benchmarks/results/2026-12-02-h200-two-tritons; the profile's backward nodes do not separate the two).
+kernel that reads and writes the whole activation, each saved for backward, all of it twice under checkpointing: with
+the Gated DeltaNet's fp32 gating, a visible part of the 1.7B hybrid's step (docs/performance.md).
 `F.rms_norm` computes the same thing as one ATen op (`_fused_rms_norm` and its backward on CUDA; a composite of the
-same math on CPU). Measured on that step (H200, Triton 3.7.1): 3745 ms against 3749 eager, within the steps' ±5 ms
-spread (benchmarks/results/2026-12-02-h200-triton371), so it is off by default; whether the fused kernel is what ran
-there has not been profiled.
+same math on CPU). On that step it measured within the steps' spread of the eager norms, so it is off by default;
+whether the fused kernel is what ran there has not been profiled.
 
 Which fused forward stands in for a norm class is decided by measurement, not by name: for each class the candidates
 below run beside the class's own forward on random inputs (fp32 and bf16, random weights), and the first that
