@@ -299,6 +299,6 @@ def test_tiny_models_with_the_transforms_match_sdpa(name, monkeypatch):
         ids[i, :len(s)], mask[i, :len(s)] = s, 1
     with torch.no_grad():
         padded = model(input_ids=ids, attention_mask=mask).logits
-        assert calls[-1]["cu_seqlens_k"].tolist() == [0, 30, 47]
+        assert calls[-1]["cu_seqlens_k"].tolist() == [0, 30, 30, 47, 60]  # real tokens, then padding, per row
         for i, s in enumerate(seqs):
             assert tm.rel_err(padded[i, :len(s)], model(input_ids=s[None]).logits[0]) <= 2e-3
