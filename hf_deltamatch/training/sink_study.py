@@ -231,17 +231,19 @@ def fidelity_table(fid_dir: str | Path, modes: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _band(ax, runs: list[dict], series, color: str, label: str, log: bool = False):
-    """Mean over seeds at the steps all of them have, and the min-max band."""
+def _band(ax, runs: list[dict], series, color: str, label: str, log: bool = False) -> list[float]:
+    """Mean over seeds at the steps all of them have, and the min-max band; returns the values drawn."""
     curves = [dict(series(r)) for r in runs]
     steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
     steps = [s for s in steps if all(curves[i][s] is not None for i in range(len(curves)))]
     if not steps:
-        return
+        return []
     vals = [[c[s] for c in curves] for s in steps]
     mean = [math.exp(sum(math.log(max(x, 1e-300)) for x in v) / len(v)) if log else sum(v) / len(v) for v in vals]
     ax.plot(steps, mean, color=color, lw=1.4, label=label)
-    ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.2, lw=0)
+    if any(min(v) < max(v) for v in vals):  # (one seed, or seeds that agree: no band)
+        ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.2, lw=0)
+    return [x for v in vals for x in v if not log or x > 0]
 
 
 def plot_study(study: dict[str, list[dict]], out: Path) -> list[Path]:
@@ -256,13 +258,16 @@ def plot_study(study: dict[str, list[dict]], out: Path) -> list[Path]:
                                    ("ds_residual", "dS row-sum residual (relative)", True, "ds_residual.png")):
         fig, axes = plt.subplots(len(layers), 1, figsize=(9, 2.6 * len(layers) + 0.6), sharex=True, squeeze=False)
         for ax, layer in zip(axes[:, 0], layers):
-            if log:
-                ax.set_yscale("log")
+            ys = []
             for i, (mode, runs) in enumerate(study.items()):
-                _band(ax, runs, lambda run: [(r["step"], r[key]) for r in run["attn"] if r["layer"] == layer],
-                      f"C{i}", mode, log=log)
+                ys += _band(ax, runs, lambda run: [(r["step"], r[key]) for r in run["attn"] if r["layer"] == layer],
+                            f"C{i}", mode, log=log)
             ax.set_ylabel(f"layer {layer}", fontsize=9)
-            if not log:
+            if log:
+                lo, hi = min(ys, default=1.0), max(ys, default=1.0)
+                ax.set_ylim(lo / 2, hi * 2)  # explicit: matplotlib cannot autoscale an axis of one value
+                ax.set_yscale("log")
+            else:
                 ax.set_ylim(-0.02, 1.02)
                 ax.axhline(STRONG_SINK, color="k", lw=0.6, ls=":")
             ax.grid(alpha=0.3, which="both")
