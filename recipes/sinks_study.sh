@@ -73,22 +73,28 @@ for mode in $MODES; do mode_flags "$mode" > /dev/null; done  # a typo fails now,
 case " $MODES " in *" bf16 "*) ;; *) echo "error: MODES must include bf16 (the noise floor)" >&2; exit 2 ;; esac
 # shellcheck disable=SC2206
 COMMON=(--config "$CFG" --attn deltamatch_fp8 ${STEPS:+--max_steps "$STEPS"} $EXTRA)
-STEPS=$("$PY" -c 'import sys; from hf_deltamatch.training.config import parse_config
-print(parse_config(sys.argv[1:]).max_steps)' "${COMMON[@]}")
-FID_SEQ=${FID_SEQ:-$("$PY" -c 'import sys; from hf_deltamatch.training.config import parse_config
-print(parse_config(sys.argv[1:]).seq_len)' "${COMMON[@]}")}
 
-# ---- the task's data, tokenizer and packed blocks, once for every run ----------------------------------------
+# ---- the task's data, tokenizer and packed blocks, once for every run (a second call finds them made) -------
 stamp "preparing the task's data ($CFG)"
 PREP=$("$PY" -m hf_deltamatch.training.tasks "${COMMON[@]}" --output_dir "$OUT/cache/prep" | tail -n 1)
-field() { "$PY" -c 'import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$PREP" "$1"; }
-VAL=$(field val)
-cp "$(field task)" "$OUT/task.json"
-TOK=(--tokenizer "$(field tokenizer)")
+# the prepared paths, the run length and the sequence length (the check's default)
+{ read -r VAL; read -r TASK_JSON; read -r TOK_DIR; read -r STEPS; read -r SEQ_LEN; } < <("$PY" -c '
+import json, sys
+p = json.loads(sys.argv[1])
+print(*(p[k] for k in ("val", "task", "tokenizer", "max_steps", "seq_len")), sep="\n")' "$PREP")
+FID_SEQ=${FID_SEQ:-$SEQ_LEN}
+cp "$TASK_JSON" "$OUT/task.json"
+TOK=(--tokenizer "$TOK_DIR")
 {
-  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
-'device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
-  "$PY" -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton: not installed"
+  "$PY" -c "
+import torch, transformers
+try:
+    import triton
+    tv = triton.__version__
+except ImportError:
+    tv = 'not installed'
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', tv, 'device',
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')"
   echo "config: $CFG  steps: $STEPS  seeds: $SEEDS  modes: $MODES  extra: ${EXTRA:-none}"
   echo "git: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "validation sequences: $(sha256sum "$VAL" | cut -c1-16) (sha256 of val.jsonl, $(wc -l < "$VAL") lines)"
@@ -126,7 +132,9 @@ for mode in $MODES; do
 done
 PARALLEL=${PARALLEL:-${#PAIRS[@]}}
 [ "$PARALLEL" -ge 1 ] || PARALLEL=1
-FREE_GIB=$("$PY" -c 'import torch; c = torch.cuda; print(c.mem_get_info()[0] // 2**30 if c.is_available() else "")')
+FREE_GIB=
+[ ${#PAIRS[@]} = 0 ] || FREE_GIB=$("$PY" -c 'import torch; c = torch.cuda
+print(c.mem_get_info()[0] // 2**30 if c.is_available() else "")')
 if [ -n "$FREE_GIB" ]; then
   CAP=$(( FREE_GIB / RUN_GIB ))
   [ "$CAP" -ge 1 ] || CAP=1
@@ -157,29 +165,36 @@ done
 stamp "all runs finished"
 
 # ---- hf-deltamatch check --model on every final checkpoint ----------------------------------------------------
-check_one() {  # mode seed
-  local dir="$OUT/fidelity/$1/seed-$2"
-  "$PY" -m hf_deltamatch.cli check --model "$OUT/runs/$1/seed-$2/final" --data "$VAL" --seq-len "$FID_SEQ" \
-    --batch "$FID_BATCH" --out "$dir" > "$dir.txt" 2>&1
-}
-PIDS=()
-for mode in $MODES; do
-  mkdir -p "$OUT/fidelity/$mode"
-  for seed in ${SEEDS//,/ }; do
-    [ -f "$OUT/fidelity/$mode/seed-$seed/fidelity.json" ] && continue
-    wait_for_slot
-    stamp "check $mode seed $seed"
-    check_one "$mode" "$seed" &
-    PIDS+=($!)
-  done
-done
-[ ${#PIDS[@]} = 0 ] || wait "${PIDS[@]}" || true  # each check's result is its fidelity.json, checked below
+# One process checks every model (`hf-deltamatch check`'s own functions; the start-up once): per model
+# fidelity/MODE/seed-N/fidelity.json, fidelity.png, and the CLI's tables in fidelity/MODE/seed-N.txt.
+CHECKS=()
 for mode in $MODES; do
   for seed in ${SEEDS//,/ }; do
-    [ -f "$OUT/fidelity/$mode/seed-$seed/fidelity.json" ] || {
-      cat "$OUT/fidelity/$mode/seed-$seed.txt" >&2; echo "error: check $mode seed $seed failed" >&2; exit 1; }
+    [ -f "$OUT/fidelity/$mode/seed-$seed/fidelity.json" ] || CHECKS+=("$mode/seed-$seed")
   done
 done
+if [ ${#CHECKS[@]} -gt 0 ]; then
+  stamp "hf-deltamatch check --model on ${#CHECKS[@]} final checkpoint(s): ${FID_BATCH} x ${FID_SEQ} tokens each"
+  "$PY" - "$OUT" "$VAL" "$FID_SEQ" "$FID_BATCH" "${CHECKS[@]}" <<'PYEOF'
+import json, sys
+from pathlib import Path
+
+import torch
+
+from hf_deltamatch import fidelity
+
+out, val, seq, batch = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+for run in sys.argv[5:]:
+    report = fidelity.check_model(out / "runs" / run / "final", val, seq_len=seq, batch=batch,
+                                  device="cuda" if torch.cuda.is_available() else "cpu")
+    dest = out / "fidelity" / run
+    dest.mkdir(parents=True, exist_ok=True)
+    fidelity.plot(report, dest / "fidelity.png")
+    (dest.parent / f"{dest.name}.txt").write_text(fidelity.format_tables(report) + "\n")
+    (dest / "fidelity.json").write_text(json.dumps(report, indent=1))  # last: it marks the check done
+    print(f"checked {run}", flush=True)
+PYEOF
+fi
 
 # ---- analysis --------------------------------------------------------------------------------------------------
 stamp "analysis"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -278,7 +279,7 @@ def test_study_script_smoke(tmp_path):
     check of every final model, summary.json in its schema and the plots; a second call keeps what is done."""
     out = tmp_path / "out"
     e = env()
-    e.update(SMOKE="1", SEEDS="0,1", MODES="bf16 fp8-stale")
+    e.update(SMOKE="1", SEEDS="0,1", MODES="bf16 fp8-stale", PYTHON=sys.executable)
     r = subprocess.run(["bash", "recipes/sinks_study.sh", str(out)], cwd=REPO, env=e, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]

@@ -152,8 +152,10 @@ def _fmt(x: float | None, spec: str = ".4f") -> str:
 def conclusion(study: dict[str, list[dict]], baseline: str) -> str:
     """The study's conclusion in words, computed from the values and their noise floors."""
     cmp = compare(study, baseline)
-    n_seeds = min(len(r) for r in study.values())
-    parts = [f"{summary(study)['steps']} steps, {n_seeds}+ seeds per mode, baseline {baseline}."]
+    counts = sorted({len(r) for r in study.values()})
+    n_seeds = counts[0]
+    seeds = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    parts = [f"{summary(study)['steps']} steps, {seeds} seeds per mode, baseline {baseline}."]
     sink = {m: _stats([r["max_sink_mass"] for r in runs]) for m, runs in study.items()}
     share = {m: _stats([r["strong_sink_share"] for r in runs]) for m, runs in study.items()}
     parts.append("Sinks: max sink mass " + "; ".join(
@@ -170,7 +172,7 @@ def conclusion(study: dict[str, list[dict]], baseline: str) -> str:
     for key, name, worse in (("val_loss", "validation loss", 1), ("val_acc", "task accuracy", -1)):
         rows = cmp[key]
         b = rows[baseline]
-        text = [f"{name}: {baseline} {b['mean']:.4f} ± {b['std']:.4f} (noise floor {b['floor']:.4f})"]
+        text = [f"{name.capitalize()}: {baseline} {b['mean']:.4f} ± {b['std']:.4f} (noise floor {b['floor']:.4f})"]
         for m, r in rows.items():
             if m == baseline:
                 continue
@@ -272,7 +274,7 @@ def plot_study(study: dict[str, list[dict]], out: Path) -> list[Path]:
                 ax.axhline(STRONG_SINK, color="k", lw=0.6, ls=":")
             ax.grid(alpha=0.3, which="both")
         axes[0, 0].legend(fontsize=8)
-        axes[0, 0].set_title(f"{ylabel}: mean over seeds (geometric for the residual), band min-max", fontsize=9)
+        axes[0, 0].set_title(f"{ylabel}: {'geometric ' if log else ''}mean over seeds, band min-max", fontsize=9)
         axes[-1, 0].set_xlabel("optimizer step")
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)

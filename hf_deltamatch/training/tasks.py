@@ -195,13 +195,14 @@ def prepare(cfg) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m hf_deltamatch.training.tasks --config CFG [recipe flags]: prepare() and print its paths (JSON)."""
+    """python -m hf_deltamatch.training.tasks --config CFG [recipe flags]: prepare() and print its paths, with the
+    config's seq_len and max_steps (one JSON line)."""
     from .config import parse_config
 
     try:
         cfg = parse_config(argv, description="Generate a task's data, tokenizer and packed blocks ahead of its runs; "
-                                             "prints their paths as JSON.")
-        print(json.dumps(prepare(cfg)))
+                                             "prints their paths, seq_len and max_steps as JSON.")
+        print(json.dumps({**prepare(cfg), "seq_len": cfg.seq_len, "max_steps": cfg.max_steps}))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
