@@ -112,7 +112,14 @@ sys.exit(0 if s.get("steps") == int(sys.argv[2]) and not s.get("interrupted") el
 PYEOF
 }
 run_one() {  # mode seed: trains into runs/MODE/seed-N (continuing a checkpoint there); output in seed-N.log
-  local dir="$OUT/runs/$1/seed-$2" rc=0
+  local dir="$OUT/runs/$1/seed-$2" rc=0 fd
+  if command -v flock > /dev/null; then
+    # the run's lock, inherited by its training process: a run left going by an earlier call of the study (whose
+    # shell was killed) is waited for, not started twice into one directory
+    exec {fd}> "$dir.lock"
+    flock "$fd"
+    if finished "$dir"; then echo 0 > "$dir.rc"; return 0; fi
+  fi
   # shellcheck disable=SC2046
   "$PY" recipes/pretrain.py "${COMMON[@]}" "${TOK[@]}" $(mode_flags "$1") --seed "$2" --output_dir "$dir" \
     --run_name "$1-seed$2" --resume auto >> "$dir.log" 2>&1 || rc=$?

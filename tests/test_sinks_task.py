@@ -94,6 +94,7 @@ def test_config_errors(tmp_path):
     assert task_of(parse_config(base + ["--task", "none"])) == BigramBackcopy()  # the task's defaults
     for argv, match in ((["--task", '{"vocabulary": 32}'], r"unknown bigram_backcopy parameter\(s\) \['vocabulary'\]"),
                         (["--task", '{"trigger_p": 1.5}'], "trigger_p must be in"),
+                        (["--task", '{"vocab": 64.0}'], "task.vocab must be an integer, got 64.0"),
                         (["--seq_len", "2"], "seq_len must be at least 3"),
                         (["--data_seed", "-1"], "data_seed must be >= 0"),
                         (["--data", "stdlib"], "--task sets the parameters of a generated task")):
@@ -290,7 +291,8 @@ def test_study_script_smoke(tmp_path):
         assert set(mode) == {"val_loss", "val_acc", "max_sink_mass", "final_ds_residual"}
         assert all(len(v) == 2 and all(isinstance(x, float) for x in v) for v in mode.values())
     # stale fp8's dS rows keep a residual that bf16 with Delta-Matching does not
-    assert min(record["modes"]["fp8-stale"]["final_ds_residual"]) > 100 * max(record["modes"]["bf16"]["final_ds_residual"])
+    residual = {mode: v["final_ds_residual"] for mode, v in record["modes"].items()}
+    assert min(residual["fp8-stale"]) > 100 * max(residual["bf16"])
     assert "baseline bf16" in record["conclusion"] and "Verdict" in record["conclusion"]
     for png in ("sink_mass.png", "ds_residual.png", "val.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"

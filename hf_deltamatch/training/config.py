@@ -73,7 +73,8 @@ class TrainConfig:
     text_field: str = "text"
     streaming: bool = False
     val_fraction: float = 0.02  # held-out documents (map-style)
-    data_seed: int = 0  # which documents are held out: fixed apart from --seed, so every seed sees one split
+    data_seed: int = 0  # which documents are held out (a generated task: its chain and sequences): fixed apart from
+    # --seed, so every seed sees one split
     val_docs: int = 200  # held-out documents (streaming: the first val_docs of the stream)
     corpus_bytes: int = 6_000_000  # size cap of the "stdlib" corpus
     tokenizer: str = "train"  # "train" (BPE trained locally on the training split) or a local tokenizer dir
@@ -307,8 +308,8 @@ def validate(cfg: TrainConfig) -> None:
 
             if not glob.glob(str(pattern), recursive=True):
                 err.append(f"--data {pattern!r} matches no file. Give local .txt/.jsonl/.json/.parquet files "
-                           "(globs allowed), 'stdlib' for the offline corpus, 'bigram_backcopy' for the generated sinks task, or "
-                           "a hub dataset name with "
+                           "(globs allowed), 'stdlib' for the offline corpus, 'bigram_backcopy' for the generated "
+                           "sinks task, or a hub dataset name with "
                            "--data_format hub when online.")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
         err.append(f"--resume {cfg.resume!r} is not a checkpoint directory (use 'auto' for the latest in output_dir).")

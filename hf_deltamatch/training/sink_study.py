@@ -220,9 +220,10 @@ def fidelity_table(fid_dir: str | Path, modes: list[str]) -> str:
                 st = _stats([get(r) for r in rows])
                 return "n/a" if st is None else f"{st['mean']:.4g} ± {st['std']:.2g}"
 
-            lines.append(f"| {mode} | {layer['layer']} | {len(rows)} | {cell(lambda r: r['sink_mass'])} | " + " | ".join(
-                cell(lambda r, g=g, m=m: r["modes"][m][g]) for g in ("err_dq", "err_dk") for m in FIDELITY_MODES)
-                + f" | {cell(lambda r: r['modes']['fp8-stale']['ds_residual'])} |")
+            errors = " | ".join(cell(lambda r, g=g, m=m: r["modes"][m][g])
+                                for g in ("err_dq", "err_dk") for m in FIDELITY_MODES)
+            lines.append(f"| {mode} | {layer['layer']} | {len(rows)} | {cell(lambda r: r['sink_mass'])} | {errors} | "
+                         f"{cell(lambda r: r['modes']['fp8-stale']['ds_residual'])} |")
     if not found:
         raise StudyError(f"{root}: no MODE/seed-N/fidelity.json (hf-deltamatch check --model ... --out).")
     return "\n".join(lines) + "\n"

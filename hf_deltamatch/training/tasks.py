@@ -12,16 +12,18 @@ over `vocab` ordinary tokens `w0..w{vocab-1}` and `triggers` trigger tokens `T0.
   - after a trigger, the next token copies the token before the trigger ("a T a"), and the chain continues
     from it. w_1 is uniform, and no sequence starts or ends with a trigger.
 Predicting a copy needs attention (to the token before the trigger); predicting a bigram step needs none. So
-every head idles on most queries, and idling heads park their attention on <bos>, the one key every query sees:
-the sink. The sink key is the first token of each document, which is what `--attn_stats` and `hf-deltamatch check
+attention has work on few queries, and a head with nothing to do parks its attention on <bos>, the one key every
+query sees: the sink. The sink key is the first token of each document, which is what `--attn_stats` and `hf-deltamatch check
 --model` measure as sink mass.
 
 Validation reports, beside the cross-entropy over all tokens, the task's accuracy: top-1 accuracy of the
 copy targets (the token after each trigger, the one deterministic prediction), and their cross-entropy.
 
 Everything is a function of `data_seed` and the parameters: the chain, the training and the validation sequences
-(three independent streams), written once as JSON lines under $HF_DELTAMATCH_CACHE/tasks/ and read from there by
-every run, so runs that differ only in `--seed` train on the same data and validate on the same sequences.
+(three independent streams of numpy's default Generator), written once as JSON lines under
+$HF_DELTAMATCH_CACHE/tasks/ and read from there by every run, so runs that differ only in `--seed` train on the same
+data and validate on the same sequences. (numpy does not promise the same draws across its versions: the sinks
+study records the validation file's hash.)
 """
 
 from __future__ import annotations
@@ -55,6 +57,12 @@ class BigramBackcopy:
 
     def __post_init__(self):
         err = []
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), (int,) if f.type == "int" else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                err.append(f"task.{f.name} must be {'an integer' if f.type == 'int' else 'a number'}, got {value!r}")
+        if err:
+            raise ConfigError("; ".join(err) + ".")
         if self.vocab < 2:
             err.append(f"task.vocab must be at least 2, got {self.vocab}")
         if self.triggers < 1:
