@@ -66,12 +66,15 @@ class TrainConfig:
     max_position_embeddings: int | None = None
     lora: str | None = None  # "r,alpha,target1,target2,..." e.g. "8,16,q_proj,v_proj"
     # --- data ----------------------------------------------------------------------------------------
-    data: Any = "stdlib"  # "stdlib" (offline corpus from Python's own sources/docs), paths/globs, or hub name
+    data: Any = "stdlib"  # "stdlib" (offline corpus from Python's own sources/docs), a generated task
+    # ("bigram_backcopy": training/tasks.py), paths/globs, or hub name
+    task: Any = None  # parameters of the generated task named by `data` (a mapping; None: its defaults)
     data_format: str = "auto"  # auto | text | json | parquet | hub
     text_field: str = "text"
     streaming: bool = False
     val_fraction: float = 0.02  # held-out documents (map-style)
-    data_seed: int = 0  # which documents are held out: fixed apart from --seed, so every seed sees one split
+    data_seed: int = 0  # which documents are held out (a generated task: its chain and sequences): fixed apart from
+    # --seed, so every seed sees one split
     val_docs: int = 200  # held-out documents (streaming: the first val_docs of the stream)
     corpus_bytes: int = 6_000_000  # size cap of the "stdlib" corpus
     tokenizer: str = "train"  # "train" (BPE trained locally on the training split) or a local tokenizer dir
@@ -126,7 +129,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _BOOL = {n for n, f in FIELDS.items() if f.type in ("bool",)}
 _INT = {n for n, f in FIELDS.items() if f.type in ("int", "int | None")}
 _FLOAT = {n for n, f in FIELDS.items() if f.type in ("float", "float | None")}
-_JSONISH = {"model_config", "rope_scaling", "adam_betas", "data"}
+_JSONISH = {"model_config", "rope_scaling", "adam_betas", "data", "task"}
 
 
 def load_config_file(path: str | os.PathLike) -> dict:
@@ -160,6 +163,8 @@ def _parse_jsonish(name: str, value: str):
         return s.split(",") if "," in s else s
     if name == "model_config" and not s.startswith("{"):
         return s  # a path
+    if name == "task" and s.lower() in ("none", "null"):
+        return None
     try:
         return json.loads(s)
     except json.JSONDecodeError as e:
@@ -280,7 +285,22 @@ def validate(cfg: TrainConfig) -> None:
                        "'train' to train a BPE tokenizer on the training data.")
     elif cfg.model is not None and (Path(cfg.model) / "tokenizer.json").is_file():
         pass  # load_tokenizer picks the checkpoint's tokenizer
-    if cfg.data != "stdlib" and cfg.data_format != "hub":
+    from .tasks import is_task, task_of
+
+    if is_task(cfg.data):
+        try:
+            task_of(cfg)
+        except ConfigError as e:
+            err.append(str(e))
+        if cfg.data_seed < 0:
+            err.append(f"--data_seed must be >= 0 for the generated task {cfg.data}, got {cfg.data_seed}.")
+        if cfg.seq_len < 3:
+            err.append(f"--data {cfg.data}: every sequence is <bos>, tokens and <|endoftext|>: --seq_len must be "
+                       f"at least 3, got {cfg.seq_len}.")
+    elif cfg.task is not None:
+        err.append(f"--task sets the parameters of a generated task, but --data {cfg.data!r} is none; use --data "
+                   "bigram_backcopy or drop --task.")
+    if cfg.data != "stdlib" and cfg.data_format != "hub" and not is_task(cfg.data):
         for pattern in ([cfg.data] if isinstance(cfg.data, str) else list(cfg.data)):
             if _looks_like_hub_name(pattern) and cfg.data_format == "auto":
                 continue
@@ -288,7 +308,8 @@ def validate(cfg: TrainConfig) -> None:
 
             if not glob.glob(str(pattern), recursive=True):
                 err.append(f"--data {pattern!r} matches no file. Give local .txt/.jsonl/.json/.parquet files "
-                           "(globs allowed), 'stdlib' for the offline corpus, or a hub dataset name with "
+                           "(globs allowed), 'stdlib' for the offline corpus, 'bigram_backcopy' for the generated "
+                           "sinks task, or a hub dataset name with "
                            "--data_format hub when online.")
     if cfg.resume not in (None, "auto") and not Path(cfg.resume).is_dir():
         err.append(f"--resume {cfg.resume!r} is not a checkpoint directory (use 'auto' for the latest in output_dir).")

@@ -124,6 +124,13 @@ def load_text_splits(cfg: TrainConfig):
     """(train, validation) datasets of documents with a `text` column. Map-style unless cfg.streaming."""
     from datasets import load_dataset
 
+    from .tasks import task_of
+
+    task = task_of(cfg)
+    if task is not None:  # a generated task: its own fixed validation sequences (training/tasks.py)
+        train, val = task.build(default_cache_root() / "tasks", cfg.seq_len, cfg.data_seed)
+        ds = load_dataset("json", data_files={"train": str(train), "validation": str(val)}, streaming=cfg.streaming)
+        return ds["train"], ds["validation"]
     builder, source = resolve_data(cfg)
     if builder == "hub":
         try:
@@ -180,13 +187,18 @@ def load_tokenizer(cfg: TrainConfig, train_texts=None):
     or a freshly trained BPE. Saved into output_dir/tokenizer so the run dir is self-contained."""
     from transformers import AutoTokenizer
 
+    from .tasks import task_of
+
+    task = task_of(cfg)
     run_tok = Path(cfg.output_dir) / "tokenizer"
     if (run_tok / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(run_tok))
+        return _check_task_tokenizer(AutoTokenizer.from_pretrained(str(run_tok)), task, run_tok)
     if cfg.tokenizer != "train":
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer)
+        tok = _check_task_tokenizer(AutoTokenizer.from_pretrained(cfg.tokenizer), task, cfg.tokenizer)
     elif cfg.model is not None and (Path(cfg.model) / "tokenizer.json").is_file():
-        tok = AutoTokenizer.from_pretrained(cfg.model)
+        tok = _check_task_tokenizer(AutoTokenizer.from_pretrained(cfg.model), task, cfg.model)
+    elif task is not None:
+        return task.build_tokenizer(run_tok)  # the task's own vocabulary: nothing to learn
     else:
         if train_texts is None:
             raise ConfigError("tokenizer='train' needs the training texts.")
@@ -194,6 +206,15 @@ def load_tokenizer(cfg: TrainConfig, train_texts=None):
     if tok.eos_token_id is None:
         raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no eos token; packing needs one to end documents.")
     tok.save_pretrained(str(run_tok))
+    return tok
+
+
+def _check_task_tokenizer(tok, task, where):
+    """A generated task's text must be read with exactly the task's vocabulary (a BPE would split 'w17')."""
+    if task is not None and tok.get_vocab() != {t: i for i, t in enumerate(task.tokens())}:
+        raise ConfigError(f"the tokenizer in {str(where)!r} is not the {task.name} task's vocabulary (with these "
+                          "task parameters); use --tokenizer train to build it, or a tokenizer saved by a run of "
+                          "the same task.")
     return tok
 
 

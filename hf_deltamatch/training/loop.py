@@ -161,6 +161,7 @@ def _train(cfg: TrainConfig) -> dict:
     from .attn_stats import AttentionStats
     from .modeling import CausalLMWithLoss, backward_numerics, build_model, causal_lm
     from .optim import build_optimizers, build_schedulers
+    from .tasks import task_of
 
     out_dir = Path(cfg.output_dir)
     cpu_fsdp = _cpu_fsdp_rehearsal()
@@ -260,21 +261,34 @@ def _train(cfg: TrainConfig) -> dict:
             write(rec, {f"attn/layer{row['layer']}/{k}": v for k, v in row.items()
                         if k not in ("layer", "head") and v is not None})
 
-    def evaluate() -> float | None:
+    task = task_of(cfg)
+
+    def evaluate() -> dict | None:
+        """{"val_loss": CE over all predicted tokens}, and for a generated task its accuracy on the target tokens
+        (val_acc), their CE (val_target_loss) and their number (val_targets)."""
         if val_dl is None:
             return None
         wrapped.eval()
-        tot = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+        tot = torch.zeros(5, dtype=torch.float64, device=accelerator.device)
         with torch.no_grad():
             for i, batch in enumerate(val_dl):
                 if i >= cfg.eval_batches:
                     break
                 with accelerator.autocast():
-                    loss, n = wrapped(**batch)
-                tot += torch.stack([loss.double() * n, n.double()])
+                    if task is None:
+                        loss, n = wrapped(**batch)
+                    else:
+                        loss, n, target = wrapped(**batch, scored=task.scored_positions(batch["input_ids"], tokenizer))
+                        tot[2:] += target
+                tot[:2] += torch.stack([loss.double() * n, n.double()])
         wrapped.train()
         tot = accelerator.reduce(tot, reduction="sum")
-        return (tot[0] / tot[1].clamp(min=1)).item()
+        out = {"val_loss": (tot[0] / tot[1].clamp(min=1)).item()}
+        if task is not None:
+            count = tot[4].clamp(min=1)
+            out.update(val_acc=(tot[3] / count).item(), val_target_loss=(tot[2] / count).item(),
+                       val_targets=int(tot[4].item()))
+        return out
 
     def save_checkpoint():
         ckpt = out_dir / "checkpoints" / f"step_{state.step:07d}"
@@ -294,7 +308,7 @@ def _train(cfg: TrainConfig) -> dict:
     t_window, tok_window, state_tokens_logged = time.time(), 0, 0
     loss_acc = torch.zeros((), device=accelerator.device)
     n_acc = 0
-    last_val = None
+    last_val = last_eval = None
     stopped = time_limited = False
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
@@ -371,10 +385,12 @@ def _train(cfg: TrainConfig) -> dict:
                     attn_rows = []
 
                 if state.step % cfg.eval_every == 0 or state.step == cfg.max_steps or out_of_time:
-                    last_val = evaluate()
-                    if last_val is not None:
-                        write({"kind": "eval", "step": state.step, "tokens": state.tokens, "val_loss": last_val})
-                        bar.write(f"step {state.step}: val CE {last_val:.4f}") if main else None
+                    last_eval = evaluate()
+                    if last_eval is not None:
+                        last_val = last_eval["val_loss"]
+                        write({"kind": "eval", "step": state.step, "tokens": state.tokens, **last_eval})
+                        acc = f", target accuracy {last_eval['val_acc']:.4f}" if "val_acc" in last_eval else ""
+                        bar.write(f"step {state.step}: val CE {last_val:.4f}{acc}") if main else None
 
                 stop_now = stop.requested
                 if accelerator.num_processes > 1:  # every rank must agree to stop at the same step
@@ -406,6 +422,8 @@ def _train(cfg: TrainConfig) -> dict:
                "interrupted": stopped, "time_limited": time_limited, "params": n_params, "trainable_params": n_train,
                "num_processes": accelerator.num_processes, "start_step": start_step,
                "attn_stats_s": monitor.seconds if monitor is not None else None}
+    if last_eval is not None and "val_acc" in last_eval:
+        summary.update(final_val_acc=last_eval["val_acc"], final_val_target_loss=last_eval["val_target_loss"])
     if main:
         records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
         train_recs = [r for r in records if r.get("kind") == "train"]

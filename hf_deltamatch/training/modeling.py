@@ -509,7 +509,9 @@ class CausalLMWithLoss(nn.Module):
     def lm(self):
         return causal_lm(self.model)
 
-    def forward(self, input_ids, labels, **kwargs):
+    def forward(self, input_ids, labels, scored=None, **kwargs):
+        """`scored` (bool, input_ids' shape; evaluation): positions whose next-token predictions are also summed
+        apart; then returns a third value, float64 [CE sum, top-1 correct, count] over them."""
         # Shifted targets: token t predicts labels[t + 1]; the collator put -100 at document starts.
         shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         n_tokens = (shift != -100).sum()
@@ -519,20 +521,40 @@ class CausalLMWithLoss(nn.Module):
             logits = out.logits.float()
             loss = nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), shift.view(-1),
                                                ignore_index=-100, reduction="sum")
-            return loss / n_tokens.clamp(min=1), n_tokens
+            if scored is None:
+                return loss / n_tokens.clamp(min=1), n_tokens
+            return loss / n_tokens.clamp(min=1), n_tokens, _target_stats(logits[scored], shift[scored])
         lm = self.lm
         backbone = getattr(lm, lm.base_model_prefix)
         hidden = backbone(input_ids=input_ids, **kwargs).last_hidden_state
         head = lm.get_output_embeddings()
+        target = None
+        if scored is not None:  # only the scored positions' logits: the chunked path never holds them all
+            target = _target_stats(_chunk_logits(hidden[scored], head.weight), shift[scored])
         total = hidden.new_zeros((), dtype=torch.float32)
         for s in range(0, hidden.shape[1], self.loss_chunk):
             h = hidden[:, s:s + self.loss_chunk]
             y = shift[:, s:s + self.loss_chunk]
             total = total + checkpoint(_chunk_ce, h, head.weight, y, use_reentrant=False)
-        return total / n_tokens.clamp(min=1), n_tokens
+        if target is None:
+            return total / n_tokens.clamp(min=1), n_tokens
+        return total / n_tokens.clamp(min=1), n_tokens, target
+
+
+def _chunk_logits(h, weight):
+    return nn.functional.linear(h, weight.to(h.dtype) if not torch.is_autocast_enabled(h.device.type) else weight)
 
 
 def _chunk_ce(h, weight, y):
-    logits = nn.functional.linear(h, weight.to(h.dtype) if not torch.is_autocast_enabled(h.device.type) else weight)
+    logits = _chunk_logits(h, weight)
     return nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100,
                                        reduction="sum")
+
+
+def _target_stats(logits, y):
+    """float64 [CE sum, top-1 correct, count] of (K, V) logits against (K,) targets, -100 left out."""
+    keep = y != -100
+    logits, y = logits[keep].float(), y[keep]
+    ce = nn.functional.cross_entropy(logits, y, reduction="sum") if len(y) else logits.new_zeros(())
+    correct = (logits.argmax(dim=-1) == y).sum()
+    return torch.stack([ce.double(), correct.double(), torch.tensor(len(y), dtype=torch.float64, device=y.device)])
