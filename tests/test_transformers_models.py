@@ -26,6 +26,7 @@ import torch
 
 import hf_deltamatch
 from hf_deltamatch.integrations import transformers as integration
+from hf_deltamatch.testing import assert_rel_close, rel_err
 
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,11 +35,6 @@ import _tiny_models as tiny  # noqa: E402
 ALL_MODELS = list(tiny.CONFIGS)
 BF16_FWD_TOL, BF16_GRAD_TOL = 2e-2, 3e-2
 FP8_FWD_TOL, FP8_GRAD_TOL = 0.12, 0.25
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def set_precision(precision: str) -> None:
@@ -141,21 +137,21 @@ def test_bf16_mode_matches_sdpa_forward_and_backward(name, spy):
     if name in ("qwen3", "qwen3_sliding", "qwen3_next"):  # GQA: KV heads are not repeated
         assert all(c["q_shape"][1] == 4 and c["k_shape"][1] == 2 for c in spy)
 
-    assert rel_err(logits, ref_logits) <= BF16_FWD_TOL
+    assert rel_err(ref_logits, logits) <= BF16_FWD_TOL
     # As accurate as sdpa itself: against the fp32 model, no worse than bf16 sdpa (plus bf16 slack).
     truth = tiny.build(name, "sdpa", dtype=torch.float32)
     with torch.no_grad():
         true_logits = truth(input_ids=ids).logits
-    assert rel_err(logits, true_logits) <= 1.5 * rel_err(ref_logits, true_logits) + 5e-3
+    assert rel_err(true_logits, logits) <= 1.5 * rel_err(true_logits, ref_logits) + 5e-3
 
     assert set(our_grads) == set(ref_grads)
     assert all(torch.isfinite(g).all() for g in our_grads.values())
-    assert rel_err(flat(our_grads), flat(ref_grads)) <= BF16_GRAD_TOL
+    assert rel_err(flat(ref_grads), flat(our_grads)) <= BF16_GRAD_TOL
     attn_params = attention_param_names(ours)
     assert attn_params
     for n in attn_params:  # gradients that exist only through the op's backward
         assert our_grads[n].abs().max() > 0, n
-        assert rel_err(our_grads[n], ref_grads[n]) <= BF16_GRAD_TOL, n
+        assert rel_err(ref_grads[n], our_grads[n]) <= BF16_GRAD_TOL, n
 
 
 @pytest.mark.parametrize("name", ALL_MODELS)
@@ -168,11 +164,11 @@ def test_fp8_mode_within_bound_and_backward_finite(name, spy):
     logits, our_grads = run_fwd_bwd(ours, ids)
 
     assert len(spy) == tiny.n_attention_layers(ours.config)
-    err = rel_err(logits, ref_logits)
+    err = rel_err(ref_logits, logits)
     # Nonzero: FP8 quantization really happened in the op (an sdpa fallback would give ~0 or bf16-level).
     assert 3e-3 < err <= FP8_FWD_TOL, err
     assert all(torch.isfinite(g).all() for g in our_grads.values())
-    assert rel_err(flat(our_grads), flat(ref_grads)) <= FP8_GRAD_TOL
+    assert rel_err(flat(ref_grads), flat(our_grads)) <= FP8_GRAD_TOL
     for n in attention_param_names(ours):
         assert our_grads[n].abs().max() > 0, n
 
@@ -189,13 +185,13 @@ def test_fp8_differs_from_bf16_mode_and_comparisons_are_sensitive(monkeypatch):
         bf16 = ours(input_ids=ids).logits
         set_precision("fp8")
         fp8 = ours(input_ids=ids).logits
-        assert rel_err(fp8, bf16) > 5 * rel_err(bf16, ref_logits)
+        assert rel_err(bf16, fp8) > 5 * rel_err(ref_logits, bf16)
 
         real = integration.deltamatch_attention
         monkeypatch.setattr(integration, "deltamatch_attention",
                             lambda q, k, v, **kw: real(q, k, v, **{**kw, "causal": False}))
         broken = ours(input_ids=ids).logits
-    assert rel_err(broken, ref_logits) > 3 * FP8_FWD_TOL
+    assert rel_err(ref_logits, broken) > 3 * FP8_FWD_TOL
 
 
 def test_sliding_window_comparison_is_sensitive(monkeypatch):
@@ -205,12 +201,12 @@ def test_sliding_window_comparison_is_sensitive(monkeypatch):
     with torch.no_grad():
         ref_logits = tiny.build("qwen3_sliding", "sdpa")(input_ids=ids).logits
         ours = tiny.build("qwen3_sliding", "deltamatch_fp8")
-        assert rel_err(ours(input_ids=ids).logits, ref_logits) <= BF16_FWD_TOL
+        assert rel_err(ref_logits, ours(input_ids=ids).logits) <= BF16_FWD_TOL
         real = integration.deltamatch_attention
         monkeypatch.setattr(integration, "deltamatch_attention",
                             lambda q, k, v, **kw: real(q, k, v, **{**kw, "window": None}))
         no_window = ours(input_ids=ids).logits
-    assert rel_err(no_window, ref_logits) > 5 * BF16_FWD_TOL
+    assert rel_err(ref_logits, no_window) > 5 * BF16_FWD_TOL
 
 
 def test_env_override_selects_precision(monkeypatch, spy):
@@ -266,7 +262,7 @@ def test_multi_token_continuation_with_cache(name, spy):
     # Full layers see the 20 cached keys + 8 new; a sliding layer's cache keeps window - 1 = 7 keys.
     assert all(c["q_shape"][2] == 8 and c["k_shape"][2] == (28 if c["window"] is None else 7 + 8) and c["causal"]
                for c in spy)
-    assert rel_err(cont, full) <= 2e-3
+    assert rel_err(full, cont) <= 2e-3
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v3", "kimi_linear"])
@@ -362,7 +358,7 @@ def test_padding_matches_unpadded(name, side, spy):
         for i, s in enumerate(seqs):
             alone = model(input_ids=s[None]).logits[0]
             valid = padded[i][mask[i].bool()]
-            assert rel_err(valid, alone) <= 2e-3, (i, rel_err(valid, alone))
+            assert rel_err(alone, valid) <= 2e-3, (i, rel_err(alone, valid))
     assert torch.isfinite(padded).all()
 
 
@@ -411,12 +407,12 @@ def test_packed_training_equals_per_sequence(variant, flash_kwargs, spy):
         total = total + out.loss * (len(s) - 1) / n_targets  # the packed loss is a mean over all targets
     total.backward()
     assert torch.allclose(packed.loss.detach(), total.detach(), rtol=1e-4, atol=0)
-    assert rel_err(packed.logits[0].detach(), torch.cat(per_seq_logits)) <= 2e-3
+    assert rel_err(torch.cat(per_seq_logits), packed.logits[0].detach()) <= 2e-3
     per_seq_grads = grads(model)
     assert all(torch.isfinite(g).all() for g in packed_grads.values())
-    assert rel_err(flat(packed_grads), flat(per_seq_grads)) <= 5e-3
+    assert rel_err(flat(per_seq_grads), flat(packed_grads)) <= 5e-3
     for n in attention_param_names(model):
-        assert rel_err(packed_grads[n], per_seq_grads[n]) <= 5e-3, n
+        assert rel_err(per_seq_grads[n], packed_grads[n]) <= 5e-3, n
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(spy):
@@ -445,7 +441,7 @@ def test_packing_is_not_vacuous(spy):
         joined = model(input_ids=torch.cat(seqs)[None]).logits[0]
         alone = torch.cat([model(input_ids=s[None]).logits[0] for s in seqs])
     assert spy[0]["cu_seqlens_q"] is None
-    assert rel_err(joined, alone) > 0.05
+    assert rel_err(alone, joined) > 0.05
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -479,9 +475,9 @@ def test_peft_lora_adapter_gradients_flow_through_the_op(precision, spy):
     qk = [n for n in ours if "q_proj" in n or "k_proj" in n]  # reach q/k only through the op's dq/dk
     tol = BF16_GRAD_TOL if precision == "bf16" else FP8_GRAD_TOL
     for n in qk:
-        assert rel_err(ours[n], ref[n]) <= tol, (n, rel_err(ours[n], ref[n]))
+        assert rel_err(ref[n], ours[n]) <= tol, (n, rel_err(ref[n], ours[n]))
     if precision == "fp8":
-        assert any(rel_err(ours[n], ref[n]) > 1e-3 for n in qk)
+        assert any(rel_err(ref[n], ours[n]) > 1e-3 for n in qk)
 
 
 def test_fp32_model_casts_to_bf16_and_back(spy):
@@ -503,7 +499,7 @@ def test_fp32_model_casts_to_bf16_and_back(spy):
                if p.grad is not None)
     with torch.no_grad():
         ref = tiny.build("qwen3", "sdpa", dtype=torch.float32)(input_ids=ids).logits
-    assert rel_err(out.logits.detach(), ref) <= BF16_FWD_TOL
+    assert rel_err(ref, out.logits.detach()) <= BF16_FWD_TOL
 
 
 def test_fp32_inputs_under_autocast_use_the_autocast_dtype(spy):
