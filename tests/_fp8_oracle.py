@@ -66,15 +66,22 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).to(F64)
 
 
-def quantize_tokens(x: torch.Tensor, block: int, fmt: str, rounding: str) -> torch.Tensor:
-    """x (tokens, D) float64 of one sequence, one head: tiles of `block` tokens from the first, x8 * scale back in
-    float64 (the value every matmul sees)."""
-    out = torch.empty_like(x)
+def quantize(x: torch.Tensor, block: int, fmt: str, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (tokens, D) of one sequence, one head: tiles of `block` tokens from the first. Returns (x8, scale): the FP8
+    values (float64) and each token's tile scale, as the backends store them."""
+    x = x.to(F64)
+    x8, scale = torch.empty_like(x), torch.empty(x.shape[0], dtype=F64)
     for t0 in range(0, x.shape[0], block):
         tile = x[t0:t0 + block]
         s = tile_scale(tile.abs().max(), fmt, rounding)
-        out[t0:t0 + block] = round_fp8(_fp32(tile / s), fmt) * s
-    return out
+        x8[t0:t0 + block], scale[t0:t0 + block] = round_fp8(_fp32(tile / s), fmt), s
+    return x8, scale
+
+
+def quantize_tokens(x: torch.Tensor, block: int, fmt: str, rounding: str) -> torch.Tensor:
+    """x8 * scale (quantize's), the value every matmul sees."""
+    x8, scale = quantize(x, block, fmt, rounding)
+    return x8 * scale[:, None]
 
 
 def visible(n: int, m: int, causal: bool, window: int | None) -> torch.Tensor:

@@ -69,15 +69,34 @@ def _inputs(case, seed=0, dtype=torch.float32):
 
 
 def _op(q, k, v, do, sinks, kw, cfg, delta, backend="reference"):
-    """The custom op (what deltamatch_attention calls, fp32 inputs allowed) forward and backward."""
+    """The custom op (what deltamatch_attention calls, fp32 inputs allowed) forward and backward; with the quantized
+    operands and per-token scales it saves for the backward."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     s = sinks.clone().requires_grad_() if sinks is not None else None
-    out, lse, *_ = torch.ops.hf_deltamatch.attention_forward(
+    out, lse, *saved = torch.ops.hf_deltamatch.attention_forward(
         *leaves, kw["causal"], q.shape[-1] ** -0.5, kw["window"], kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"),
         "fp8", delta, cfg["block"], cfg["scale_rounding"], cfg["grad_format"], backend, False, s)
     out.backward(do)
     return dict(out=out.detach(), lse=lse, dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad,
-                dsinks=None if s is None else s.grad)
+                dsinks=None if s is None else s.grad, saved=saved)
+
+
+def _check_saved(saved, q, k, v, kw, cfg):
+    """q8, k8, v8 and their per-token scales, bit for bit the oracle's quantization (e4m3, tiles from each
+    sequence's first token), on every token inside a sequence."""
+    cu_q, cu_k = kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k")
+    segs_q = [(0, q.shape[2])] if cu_q is None else list(zip(cu_q.tolist()[:-1], cu_q.tolist()[1:]))
+    segs_k = [(0, k.shape[2])] if cu_k is None else list(zip(cu_k.tolist()[:-1], cu_k.tolist()[1:]))
+    for name, x, x8, sx, segs in (("q", q, saved[0], saved[3], segs_q), ("k", k, saved[1], saved[4], segs_k),
+                                  ("v", v, saved[2], saved[5], segs_k)):
+        assert x8.dtype == torch.float8_e4m3fn and sx.dtype == torch.float32, name
+        for b in range(x.shape[0]):
+            for h in range(x.shape[1]):
+                for a, e in segs:
+                    if e > a:
+                        want8, want_s = oracle.quantize(x[b, h, a:e], cfg["block"], "e4m3", cfg["scale_rounding"])
+                        assert torch.equal(x8[b, h, a:e].double(), want8), (name, b, h, a)
+                        assert torch.equal(sx[b, h, a:e].double(), want_s), (name, b, h, a)
 
 
 def _oracle(q, k, v, do, sinks, kw, cfg, delta, out):
@@ -102,6 +121,7 @@ def _check(got, want, tol=CONTRACT_TOL, names=("out", "dq", "dk", "dv")):
 def test_reference_is_the_contract(case, delta):
     (q, k, v, do, sinks), kw, cfg = _inputs(case)
     got = _op(q, k, v, do, sinks, kw, cfg, delta)
+    _check_saved(got["saved"], q, k, v, kw, cfg)
     want = _oracle(q, k, v, do, sinks, kw, cfg, delta, got["out"])
     _check(got, want)
 
@@ -152,7 +172,8 @@ def test_public_op_in_bf16_is_the_contract_rounded_to_bf16(case, delta):
 
 def test_triton_kernels_are_the_contract():
     """The kernels under the interpreter (bf16 in and out) against the oracle directly, not only against the
-    reference: GQA, a causal window, two key tiles of 64, sinks. Bounded as the bf16 test above."""
+    reference: GQA, a causal window, two key tiles of 64, sinks; their saved q8/k8/v8 and scales bit for bit.
+    Bounded as the bf16 test above."""
     pytest.importorskip("hf_deltamatch.kernels")
     if torch.cuda.is_available():
         pytest.skip("on a GPU the FP8 MMA accumulates with reduced precision: tests/test_kernels_gpu.py")
@@ -161,17 +182,15 @@ def test_triton_kernels_are_the_contract():
     mk = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
     q, k, v, do = mk(B, Hq, N, D), mk(B, Hkv, N, D), mk(B, Hkv, N, D), mk(B, Hq, N, D)
     sinks = math.log(N) - 1.0 + 2.0 * torch.randn(Hq, generator=g)
-    kw = dict(causal=True, window=90)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    s = sinks.clone().requires_grad_()
-    out = deltamatch_attention(*leaves, sinks=s, config=DeltaMatchConfig(backend="triton", block=64), **kw)
-    out.backward(do)
-    got = dict(out=out.detach(), dq=leaves[0].grad, dk=leaves[1].grad, dv=leaves[2].grad)
-    want = oracle.attention(q, k, v, do, sinks=sinks, block=64, out=got["out"], **kw)
+    kw, cfg = dict(causal=True, window=90), dict(block=64, grad_format="e4m3", scale_rounding="fp32")
+    got = _op(q, k, v, do, sinks, kw, cfg, "matching", backend="triton")
+    _check_saved(got["saved"], q, k, v, kw, cfg)
+    want = oracle.attention(q, k, v, do, sinks=sinks, out=got["out"], **kw, **cfg)
     for name in ("out", "dq", "dk", "dv"):
+        assert got[name].dtype == torch.bfloat16
         allowance = want["budget"].get(name, 0.0) / want[name].norm().item()
         assert_rel_close(name, want[name], got[name], 2.0 ** -8 + allowance)
-    assert ((s.grad.double() - want["dsinks"]).abs() <= 2.0 ** -8 * want["dsinks_scale"]).all()
+    assert ((got["dsinks"].double() - want["dsinks"]).abs() <= 2.0 ** -8 * want["dsinks_scale"]).all()
 
 
 # ----------------------------------------------------------------------------------------------------

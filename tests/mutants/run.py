@@ -63,7 +63,7 @@ def pytest(tree: Path, tests: list[str], threads: int, timeout: float) -> tuple[
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         return -1, [], out[-2000:] + "\n(timed out)", time.time() - t0
     out = proc.stdout + proc.stderr
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+(?:\[[^\]]*\])?)", out, flags=re.M)
+    failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - |$)", out, flags=re.M)
     return proc.returncode, failed, out[-3000:], time.time() - t0
 
 
