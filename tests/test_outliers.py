@@ -19,7 +19,7 @@ from test_attention import BOUND, exact_lse, make, run_exact, run_op
 
 import hf_deltamatch
 from hf_deltamatch import DeltaMatchConfig, deltamatch_attention, diagnostics, outliers
-from hf_deltamatch.testing import assert_rel_close, rel_err
+from hf_deltamatch.testing import rel_err
 
 OPTIONS = {"hadamard": dict(qk_rotation="hadamard"), "smooth_k": dict(smooth_k=True),
            "both": dict(qk_rotation="hadamard", smooth_k=True)}

@@ -19,7 +19,7 @@ import torch
 from test_attention import BOUND, make, run_exact, run_op
 
 from hf_deltamatch import DeltaMatchConfig, deltamatch_attention, diagnostics, outliers
-from hf_deltamatch.testing import assert_rel_close, rel_err
+from hf_deltamatch.testing import rel_err
 
 kernels = pytest.importorskip("hf_deltamatch.kernels")
 from hf_deltamatch.kernels import ops  # noqa: E402

@@ -24,7 +24,7 @@ import torch
 
 from hf_deltamatch import DeltaMatchConfig, deltamatch_attention, reference
 from hf_deltamatch.diagnostics import exact_attention, visible
-from hf_deltamatch.testing import assert_rel_close, rel_err
+from hf_deltamatch.testing import rel_err
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _measured import bound, measured_close  # noqa: E402

@@ -26,6 +26,7 @@ def exact(case: str, mode: str = "fp8-matching") -> str:
 
 
 KERNELS_CONTRACT = "tests/test_fp8_contract.py::test_triton_kernels_are_the_contract"
+SINKS_EXACT = "tests/test_sinks.py::test_matches_exact_attention_with_sinks[causal-fp8-matching]"
 
 MUTANTS = [
     # ---- reference.py: the contract's CPU implementation -------------------------------------------------------
@@ -56,8 +57,10 @@ MUTANTS = [
                  'return to_fp8(p * P_SCALE, "e5m2").float() / P_SCALE')],
          tests=[contract("causal"), exact("causal")]),
     dict(name="gqa-head-mapping", what="query head h reads KV head h % Hkv instead of h // (Hq / Hkv)",
-         edits=[(REF, "self.k = k.float().repeat_interleave(groups, dim=1)", "self.k = k.float().repeat(1, groups, 1, 1)"),
-                (REF, "self.v = v.float().repeat_interleave(groups, dim=1)", "self.v = v.float().repeat(1, groups, 1, 1)"),
+         edits=[(REF, "self.k = k.float().repeat_interleave(groups, dim=1)",
+                 "self.k = k.float().repeat(1, groups, 1, 1)"),
+                (REF, "self.v = v.float().repeat_interleave(groups, dim=1)",
+                 "self.v = v.float().repeat(1, groups, 1, 1)"),
                 (REF, "self.sk = k_scale.repeat_interleave(groups, dim=1)", "self.sk = k_scale.repeat(1, groups, 1)"),
                 (REF, "self.sv = v_scale.repeat_interleave(groups, dim=1)", "self.sv = v_scale.repeat(1, groups, 1)")],
          tests=[contract("gqa B=2"), exact("gqa")]),
@@ -67,11 +70,12 @@ MUTANTS = [
          tests=[contract("gqa B=2"), exact("gqa")]),
     dict(name="sink-dropped-from-lse", what="O is rescaled by the sink but LSE' = LSE (the backward's P ignores it)",
          edits=[(REF, "    return out_s, lse_s\n", "    return out_s, lse\n")],
-         tests=[contract("sinks"), "tests/test_sinks.py::test_matches_exact_attention_with_sinks[causal-fp8-matching]"]),
+         tests=[contract("sinks"), SINKS_EXACT]),
     dict(name="sinks-grad-sign", what="d s_h = +sum P_sink delta",
          edits=[(REF, "return -(torch.exp(sinks.view(1, -1, 1) - lse_s) * delta)",
                  "return (torch.exp(sinks.view(1, -1, 1) - lse_s) * delta)")],
-         tests=[contract("sinks"), "tests/test_sinks.py::test_fp32_reference_equals_float64_autograd[causal-matching]"]),
+         tests=[contract("sinks"),
+                "tests/test_sinks.py::test_fp32_reference_equals_float64_autograd[causal-matching]"]),
     dict(name="scale-doubled", what="tile scale 2 amax / fmax: operands use half of e4m3's range",
          edits=[(REF, "scale = (amax.float() / FP8_MAX[fmt]).clamp_min(SCALE_FLOOR)",
                  "scale = (amax.float() / FP8_MAX[fmt] * 2).clamp_min(SCALE_FLOOR)")],
@@ -79,7 +83,8 @@ MUTANTS = [
     dict(name="pow2-rounds-down", what="scale_rounding='pow2' rounds the scale down: the amax saturates at fmax",
          edits=[(REF, "scale = torch.exp2(torch.ceil(torch.log2(scale)))",
                  "scale = torch.exp2(torch.floor(torch.log2(scale)))")],
-         tests=[contract("e5m2 gradients, pow2 scales"), "tests/test_attention.py::test_quantization_tiles_and_scales"]),
+         tests=[contract("e5m2 gradients, pow2 scales"),
+                "tests/test_attention.py::test_quantization_tiles_and_scales"]),
     dict(name="window-off-by-one", what="a window of w sees w + 1 keys (j >= i - w)",
          edits=[(REF, "keep &= cols[None, :] > pos - window", "keep &= cols[None, :] >= pos - window")],
          tests=[contract("window block 64"), exact("window")]),
@@ -93,7 +98,8 @@ MUTANTS = [
          edits=[(REF, "l = (p.sum(dim=-1) * w).sum(dim=-1)", "l = (ops.round_p(p).sum(dim=-1) * w).sum(dim=-1)")],
          tests=[contract("causal"), exact("causal")]),
     dict(name="matching-delta-from-P8", what="the correction pass sums P8 * dP instead of the unquantized P * dP",
-         edits=[(REF, "delta = (p * dp).sum(dim=-1, keepdim=True)", "delta = (ops.round_p(p) * dp).sum(dim=-1, keepdim=True)")],
+         edits=[(REF, "delta = (p * dp).sum(dim=-1, keepdim=True)",
+                 "delta = (ops.round_p(p) * dp).sum(dim=-1, keepdim=True)")],
          tests=[contract("causal"), "tests/test_attention.py::test_matching_beats_stale_against_float64[gaussian]"]),
     dict(name="dv-without-dO-scale", what="dV misses dO's tile scale",
          edits=[(REF, 'torch.einsum("bhqkt,bhqd->bhktd", p_q, do[:, :, r0:r1]) * sdo_tile',
@@ -101,8 +107,9 @@ MUTANTS = [
          tests=[contract("causal"), exact("causal")]),
     # ---- attention.py: sinks around the backend ----------------------------------------------------------------
     dict(name="sink-not-applied-to-out", what="the op returns the kernels' O instead of O' = O exp(LSE - LSE')",
-         edits=[(ATTN, "out, lse = reference.apply_sinks(out, lse, sinks)", "_, lse = reference.apply_sinks(out, lse, sinks)")],
-         tests=[contract("sinks"), "tests/test_sinks.py::test_matches_exact_attention_with_sinks[causal-fp8-matching]"]),
+         edits=[(ATTN, "out, lse = reference.apply_sinks(out, lse, sinks)",
+                 "_, lse = reference.apply_sinks(out, lse, sinks)")],
+         tests=[contract("sinks"), SINKS_EXACT]),
     # ---- outliers.py -------------------------------------------------------------------------------------------
     dict(name="rotation-rq-equals-rk", what="R_q = R_k: q' k'^T = 2 q k^T at D = 32 (every score doubled)",
          edits=[(OUTL, "r_q[start:start + b, start:start + b] = h * 2.0 ** -((log2b + 1) // 2)",
@@ -110,7 +117,8 @@ MUTANTS = [
          tests=["tests/test_sinks.py::test_rotation_with_sinks_is_exact_attention_with_sinks",
                 "tests/test_outliers.py::test_fp8_gradients_against_float64[causal-gqa-hadamard]"]),
     dict(name="smooth-k-backward-uncentered", what="dk = dk' R^T without the centering C",
-         edits=[(OUTL, "        if ctx.center:\n            g = _center(g", "        if False:\n            g = _center(g")],
+         edits=[(OUTL, "        if ctx.center:\n            g = _center(g",
+                 "        if False:\n            g = _center(g")],
          tests=["tests/test_outliers.py::test_transforms_backward_is_exact_vjp[dense-smooth_k]"]),
     # ---- Triton kernels, under the interpreter (oracles: the float64 contract and the reference) ---------------
     dict(name="kernel-causal-diagonal-dropped", what="the forward/dQ kernels' mask drops the diagonal",
@@ -126,13 +134,15 @@ MUTANTS = [
          edits=[(FWD, "acc = tl.dot(to_fp8(p, False, INTERP), v,", "acc = tl.dot(to_fp8(p, True, INTERP), v,")],
          tests=[KERNELS_CONTRACT]),
     dict(name="kernel-dv-P-in-e5m2", what="the dK/dV kernel casts P * 256 to e5m2 for dV",
-         edits=[(BWD, "dv = tl.dot(to_fp8(p256, False, INTERP), dot_,", "dv = tl.dot(to_fp8(p256, True, INTERP), dot_,")],
+         edits=[(BWD, "dv = tl.dot(to_fp8(p256, False, INTERP), dot_,",
+                 "dv = tl.dot(to_fp8(p256, True, INTERP), dot_,")],
          tests=[KERNELS_CONTRACT]),
     dict(name="kernel-gqa-head-mapping", what="the forward kernel reads KV head h % GROUPS",
          edits=[(FWD, "    hk = h // GROUPS\n", "    hk = h % GROUPS\n")],
          tests=[KERNELS_CONTRACT]),
     dict(name="kernel-scale-doubled", what="every kernel tile scale (q, k, v, dO, dS) is 2 amax / fmax",
-         edits=[(FP8, "scale = tl.maximum(amax / FMAX, SCALE_FLOOR)", "scale = tl.maximum(amax / FMAX * 2.0, SCALE_FLOOR)")],
+         edits=[(FP8, "scale = tl.maximum(amax / FMAX, SCALE_FLOOR)",
+                 "scale = tl.maximum(amax / FMAX * 2.0, SCALE_FLOOR)")],
          tests=[KERNELS_CONTRACT]),
     dict(name="kernel-correction-pass-skipped", what="the dQ kernel skips the correction pass and takes delta from "
          "rowsum(dO * its O operand), which is dO in matching mode",
@@ -141,7 +151,8 @@ MUTANTS = [
     # ---- the transformers integration (being rewritten: anchors may need updating) ------------------------------
     dict(name="integration-position-ids-packing-ignored", what="documents packed in one row (position_ids restarting "
          "at 0) attend to each other",
-         edits=[(INTEG, "    if position_ids is None or batch != 1 or length == 1 or position_ids.shape[-1] != length:\n"
+         edits=[(INTEG, "    if position_ids is None or batch != 1 or length == 1 "
+                        "or position_ids.shape[-1] != length:\n"
                         "        return None",
                  "    if True:\n        return None")],
          tests=["tests/test_transformers_models.py::test_packed_training_equals_per_sequence[llama-position_ids]"]),

@@ -154,8 +154,8 @@ def main() -> int:
                     free.append(tree)
             for r in pool.map(task, mutants):
                 m = r["mutant"]
-                print(f"{r['status']:>8}  {m['name']:<42} {r['seconds']:5.0f} s  {r['detail'] if r['status'] != 'survived' else ''}",
-                      flush=True)
+                detail = r["detail"] if r["status"] != "survived" else ""
+                print(f"{r['status']:>8}  {m['name']:<42} {r['seconds']:5.0f} s  {detail}", flush=True)
                 results.append(r)
     print(f"\n{len(results)} mutants in {time.time() - t_start:.0f} s")
     bad = 0
