@@ -418,13 +418,6 @@ def reference_fwd_bwd(shape: Shape, q, k, v, do, sinks=None):
     raise RuntimeError("no reference could be computed: " + " ; ".join(failures))
 
 
-@torch.no_grad()
-def rel_err(x, ref) -> float:
-    """Relative Frobenius error ||x - ref|| / ||ref|| in fp32 (NaN if x has non-finite values)."""
-    diff = (x.detach().float() - ref.float()).norm()
-    return float(diff / ref.float().norm().clamp_min(1e-30))
-
-
 # ----------------------------------------------------------------------------------------------------
 # Timing and memory
 # ----------------------------------------------------------------------------------------------------
@@ -516,7 +509,9 @@ def measure_op(name, shape: Shape, q, k, v, do, ref, args, log) -> dict:
         if device.type == "cuda":
             res["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         if ref is not None:
-            res["err"] = {key: rel_err(x, r) for key, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads),
+            from hf_deltamatch.testing import rel_err  # ||x - ref|| / ||ref|| in float64, NaN for a non-finite x
+
+            res["err"] = {key: rel_err(r, x) for key, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads),
                                                                    (ref[0], *ref[1]))}
         del out, grads
 

@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 from hf_deltamatch.reference import (DS_TILE_Q, P_SCALE, _quantize_ds, _split_tiles, quantize_tokens,  # noqa: E402
                                      to_fp8)
+from hf_deltamatch.testing import rel_err  # noqa: E402
 
 VARIANTS = ("matching", "stale", "one-pass")
 BLOCK = 128
@@ -95,7 +96,7 @@ def study(n: int, d: int, heads: int, seed: int, logit_std: float) -> dict:
     for name in VARIANTS:
         dq = (ds_eff[name] @ k8) * scale
         r = ds_eff[name].sum(-1)[rows] / row_abs[rows]
-        result[name] = {"dq_rel_err": float((dq - dq_x).norm() / dq_x.norm()),
+        result[name] = {"dq_rel_err": rel_err(dq_x, dq),
                         "row_sum_abs": float(r.abs().mean()), "row_sum_bias": float(r.mean())}
     return result
 

@@ -43,7 +43,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import attention as attention_bench  # noqa: E402  (benchmarks/attention.py: rel_err, time_ms, environment)
+import attention as attention_bench  # noqa: E402  (benchmarks/attention.py: time_ms, environment)
 
 TENSORS = ("o", "dq", "dk", "dv", "dg", "dbeta")
 # FLA multiplies bf16 operands on tensor cores (8-bit mantissa) inside 64-token chunks, and the gradients sum
@@ -165,7 +165,9 @@ def forward_backward(call, inputs, do, cu_seqlens=None, dtype=None):
 
 
 def errors(res, ref) -> dict:
-    return {t: attention_bench.rel_err(res[t], ref[t]) for t in TENSORS}
+    from hf_deltamatch.testing import rel_err
+
+    return {t: rel_err(ref[t], res[t]) for t in TENSORS}
 
 
 def packed_bounds(length: int, device) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from . import outliers, reference
 from .attention import deltamatch_attention
 from .config import DeltaMatchConfig
+from .testing import rel_err
 
 PROFILES = ("gaussian", "outliers", "sinks", "qk-outliers", "k-outliers", "k-bias")
 # outlier channels of q/k as trained LLMs carry them (issue #29's table, 4 of 128 channels): k and q factors, k bias
@@ -113,10 +114,6 @@ def exact_attention(q, k, v, causal=True, softmax_scale=None, window=None, cu_se
     return torch.cat(outs, dim=2)
 
 
-def _rel(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
 def run(profile="gaussian", *, batch=1, heads=2, kv_heads=None, n=1024, d=64, seed=0, causal=True,
         block=128, device="cpu", backend="auto") -> list[Row]:
     q, k, v, do = make_inputs(profile, batch, heads, kv_heads, n, d, seed, device=device)
@@ -146,8 +143,9 @@ def run(profile="gaussian", *, batch=1, heads=2, kv_heads=None, n=1024, d=64, se
         rows.append(Row(
             mode=mode,
             row_sum_residual=(row_sums.norm() / row_abs.norm().clamp_min(1e-30)).item(),
-            err_out=_rel(out.detach(), exact.detach()),
-            err_dq=_rel(qq.grad, ref_grads[0]), err_dk=_rel(kk.grad, ref_grads[1]), err_dv=_rel(vv.grad, ref_grads[2]),
+            err_out=rel_err(exact.detach(), out),
+            err_dq=rel_err(ref_grads[0], qq.grad), err_dk=rel_err(ref_grads[1], kk.grad),
+            err_dv=rel_err(ref_grads[2], vv.grad),
             dk_drift=drift,
         ))
     exact_drift = (ref_grads[1].sum(dim=2).norm() / ref_grads[1].norm()).item()

@@ -31,7 +31,8 @@ import torch
 from . import reference
 from .attention import deltamatch_attention
 from .config import DeltaMatchConfig
-from .diagnostics import _rel, exact_attention
+from .diagnostics import exact_attention
+from .testing import rel_err
 
 CAPTURE = "hf_deltamatch_capture"
 MODES = ("fp8-matching", "fp8-stale", "bf16", "sdpa")
@@ -314,7 +315,8 @@ def measure_layer(rec: LayerCapture, block: int = 128, backend: str = "auto", qk
             residual = (row_sums.norm() / row_abs.norm().clamp_min(1e-30)).item()
         out.backward(do)
         dq, dk, dv = (t.grad for t in leaves)
-        row["modes"][mode] = {"err_dq": _rel(dq, exact[0]), "err_dk": _rel(dk, exact[1]), "err_dv": _rel(dv, exact[2]),
+        row["modes"][mode] = {"err_dq": rel_err(exact[0], dq), "err_dk": rel_err(exact[1], dk),
+                              "err_dv": rel_err(exact[2], dv),
                               "ds_residual": residual, "dk_shift": _shift(dk),
                               "nonfinite": int(sum((~torch.isfinite(g)).sum().item() for g in (dq, dk, dv)))}
     return row

@@ -18,6 +18,17 @@ _CONFIG_ENV = ("HF_DELTAMATCH_PRECISION", "HF_DELTAMATCH_DELTA", "HF_DELTAMATCH_
 for _var in _CONFIG_ENV:
     os.environ.pop(_var, None)
 
+# Property tests draw the same examples on every run and machine (no example database either): a fresh CI clone
+# cannot fail on a draw nobody has seen. HYPOTHESIS_PROFILE=explore draws new examples, to look for failures.
+try:
+    from hypothesis import settings as _hyp_settings
+
+    _hyp_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+    _hyp_settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+    _hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is a dev dependency: only the property tests need it
+    pass
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -19,6 +19,7 @@ import torch
 
 import hf_deltamatch
 from hf_deltamatch.integrations import transformers as integration
+from hf_deltamatch.testing import rel_err
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers")
@@ -63,11 +64,6 @@ def _ids(batch, length, seed=0):
     return torch.randint(3, tiny.VOCAB, (batch, length), generator=g).cuda()
 
 
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def _fwd_bwd(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids, output_hidden_states=True)
@@ -84,14 +80,14 @@ def test_matches_eager(precision, length, _kernels):
     model = _build("deltamatch_fp8")
     hidden = _fwd_bwd(model, ids)
     assert _kernels == [128, None]
-    err = _rel(hidden, ref)
+    err = rel_err(ref, hidden)
     for n, p in model.named_parameters():
         assert p.grad is None or torch.isfinite(p.grad).all(), n
     if precision == "bf16":
         assert err <= BF16_HIDDEN_TOL
     else:  # the same numerics through the reference backend: the contract's error on this model
         _config(precision, "reference")
-        contract = _rel(_fwd_bwd(model, ids), ref)
+        contract = rel_err(ref, _fwd_bwd(model, ids))
         assert err <= 1.1 * contract + 0.01 and max(err, contract) <= 0.2, (err, contract)
 
 
@@ -104,7 +100,7 @@ def test_sinks_gradient_matches_eager(precision):
     _fwd_bwd(ours, ids)
     for a, b in zip(ours.model.layers, ref.model.layers):
         ga, gb = a.self_attn.sinks.grad, b.self_attn.sinks.grad
-        assert torch.isfinite(ga).all() and _rel(ga, gb) <= SINK_GRAD_TOL[precision], (ga, gb)
+        assert torch.isfinite(ga).all() and rel_err(gb, ga) <= SINK_GRAD_TOL[precision], (ga, gb)
 
 
 def test_fp8_training_reduces_the_loss():
@@ -150,7 +146,7 @@ def test_packed_step_equals_per_sequence():
     assert abs(packed.loss.item() - total.item()) <= 1e-3 * abs(total.item())
     for n, g in packed_grads.items():
         p = dict(model.named_parameters())[n]
-        assert torch.isfinite(g).all() and _rel(g, p.grad) <= 1e-2, n
+        assert torch.isfinite(g).all() and rel_err(p.grad, g) <= 1e-2, n
 
 
 def test_greedy_generate_bf16_mode_matches_eager(_kernels):

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.gpu
 
 from hf_deltamatch import reference as R  # noqa: E402
 from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
+from hf_deltamatch.testing import rel_err  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _exact_attention import exact_attention as _exact  # noqa: E402
@@ -19,11 +20,6 @@ from _gluon import skip_unless_gluon_triton  # noqa: E402
 if torch.cuda.is_available():
     from hf_deltamatch import kernels as K
     from hf_deltamatch.kernels import launch as KL, ops as KO
-
-
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(B, Hq, Hkv, N, M, Dqk, Dv, dtype, seed=0):
@@ -53,7 +49,7 @@ def _compare(B=1, Hq=4, Hkv=4, N=2048, M=None, Dqk=128, Dv=None, causal=True, wi
     assert K.supports(q, k, v, window, config) is None
     fk = K.forward(q, k, v, **kw)
     fr = R.forward(q, k, v, **kw)
-    errs = {"out": _rel(fk[0], fr[0])}
+    errs = {"out": rel_err(fr[0], fk[0])}
     fin = torch.isfinite(fr[1])
     assert torch.equal(torch.isfinite(fk[1]), fin)
     errs["lse"] = (fk[1][fin] - fr[1][fin]).abs().max().item() if fin.any() else 0.0
@@ -67,11 +63,11 @@ def _compare(B=1, Hq=4, Hkv=4, N=2048, M=None, Dqk=128, Dv=None, causal=True, wi
     gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
     for name, a, b in zip(("dq", "dk", "dv"), gk, gr):
         assert torch.isfinite(a).all(), name
-        errs[name] = _rel(a, b)
+        errs[name] = rel_err(b, a)
     # and from the kernels' own saved tensors (their layout: padded heads, TMA where it applies)
     for name, a, b in zip(("dq_own", "dk_own", "dv_own"), K.backward(do, q, k, v, fk[0], fk[1], *fk[2:], **kw), gr):
         assert torch.isfinite(a).all(), name
-        errs[name] = _rel(a, b)
+        errs[name] = rel_err(b, a)
     print(f"ERRS {config.precision}-{config.delta} B{B} H{Hq}/{Hkv} N{N} M{M} D{Dqk}/{Dv} causal={causal} "
           f"window={window} varlen={cu is not None} block={config.block}:",
           {k_: float(f"{v_:.3g}") for k_, v_ in errs.items()})
@@ -177,11 +173,11 @@ def test_non_contiguous_bshd():
     q, k, v, do = (t.transpose(1, 2) for t in base)
     kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None, config=cfg)
     fk, fr = K.forward(q, k, v, **kw), R.forward(q, k, v, **kw)
-    assert _rel(fk[0], fr[0]) < FP8_TOL
+    assert rel_err(fr[0], fk[0]) < FP8_TOL
     gk = K.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
     gr = R.backward(do, q, k, v, fr[0], fr[1], *fr[2:], **kw)
     for a, b in zip(gk, gr):
-        assert _rel(a, b) < FP8_TOL
+        assert rel_err(b, a) < FP8_TOL
 
 
 def test_against_exact_attention():
@@ -196,10 +192,10 @@ def test_against_exact_attention():
         qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
         o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
         o.backward(do.double())
-        print("EXACT", prec, "out", _rel(f[0], o), [_rel(a, b) for a, b in zip(g, (qd.grad, kd.grad, vd.grad))])
-        assert _rel(f[0], o) < tol_f
+        print("EXACT", prec, "out", rel_err(o, f[0]), [rel_err(b, a) for a, b in zip(g, (qd.grad, kd.grad, vd.grad))])
+        assert rel_err(o, f[0]) < tol_f
         for a, b in zip(g, (qd.grad, kd.grad, vd.grad)):
-            assert _rel(a, b) < tol_b, (prec, _rel(a, b))
+            assert rel_err(b, a) < tol_b, (prec, rel_err(b, a))
 
 
 @pytest.mark.parametrize("N", [8192, 32768])
@@ -281,7 +277,7 @@ def _gluon_vs_triton(gluon, opts, seed):
             finally:
                 mp.undo()
                 K.TUNE.clear()
-        errs = [_rel(a, b) for a, b in zip(grads["gluon"], grads["triton"])]
+        errs = [rel_err(b, a) for a, b in zip(grads["gluon"], grads["triton"])]
         print("GLUON vs TRITON", gluon, B, Hq, Hkv, N, D, causal, opts, errs)
         out.append(errs)
     return out
@@ -354,11 +350,11 @@ def test_dkdv_hopper_loop_variants(monkeypatch):
                 K.TUNE.clear()
 
         plain = run({})
-        to_ref_plain = [_rel(a, b) for a, b in zip(plain, ref)]
+        to_ref_plain = [rel_err(b, a) for a, b in zip(plain, ref)]
         for variant in variants:
             grads = run(variant)
-            between = [_rel(a, b) for a, b in zip(grads, plain)]
-            to_ref = [_rel(a, b) for a, b in zip(grads, ref)]
+            between = [rel_err(b, a) for a, b in zip(grads, plain)]
+            to_ref = [rel_err(b, a) for a, b in zip(grads, ref)]
             print("DKDV LOOP", (B, Hq, Hkv, N, D, causal), wgs, sorted(variant), "between", between,
                   "vs reference: plain", to_ref_plain, "variant", to_ref)
             if variant.get("dkdv_hopper_pairs"):
@@ -398,7 +394,7 @@ def test_dkdv_hopper_pipe():
                 K.TUNE.clear()
 
         plain, piped = run(False), run(True)
-        between = [_rel(a, b) for a, b in zip(piped, plain)]
+        between = [rel_err(b, a) for a, b in zip(piped, plain)]
         print("DKDV PIPE", (B, Hq, Hkv, N, D, causal), opts, "between", between)
         assert all(torch.isfinite(t).all() for t in piped)
         assert all(torch.equal(a, b) for a, b in zip(piped, plain)), between
@@ -434,8 +430,8 @@ def test_dq_hopper_pipe(monkeypatch):
 
         plain, piped = run(False), run(True)
         monkeypatch.undo()
-        between = [_rel(a, b) for a, b in zip(piped, plain)]
-        to_ref = [[_rel(a, b) for a, b in zip(g, ref)] for g in (plain, piped)]
+        between = [rel_err(b, a) for a, b in zip(piped, plain)]
+        to_ref = [[rel_err(b, a) for a, b in zip(g, ref)] for g in (plain, piped)]
         print("DQ PIPE", (B, Hq, Hkv, N, D, causal), opts, "between", between, "vs reference: plain, pipe", to_ref)
         assert all(torch.isfinite(t).all() for t in piped)
         assert all(torch.equal(a, b) for a, b in zip(piped, plain)), between
@@ -474,12 +470,12 @@ def test_hopper_packed(cu, D, tune):
             finally:
                 K.TUNE.clear()
         (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
-        print("GLUON PACKED FWD vs TRITON", cu, Hq, Hkv, _rel(fg[0][:, :, :end], ft[0][:, :, :end]),
+        print("GLUON PACKED FWD vs TRITON", cu, Hq, Hkv, rel_err(ft[0][:, :, :end], fg[0][:, :, :end]),
               (fg[1][:, :, :end] - ft[1][:, :, :end]).abs().max().item())
         assert torch.equal(fg[0], ft[0]) and torch.equal(fg[1], ft[1]), "forward"
         for a, b in zip(fg[2:], ft[2:]):  # the saved tensors: the same quantization
             assert torch.equal(a.float(), b.float())
-        errs = [_rel(a[:, :, :end], b[:, :, :end]) for a, b in zip(gg, gt)]
+        errs = [rel_err(b[:, :, :end], a[:, :, :end]) for a, b in zip(gg, gt)]
         print("GLUON PACKED vs TRITON", cu, Hq, Hkv, errs)
         assert max(errs) < 1e-3, errs
         for t in (*fg[:1], *gg):
@@ -546,8 +542,8 @@ def _check_gluon_vs_triton(runs, what, tag, exact, lse_finite=False, same_stride
     with `lse_finite`); against exact float64 attention (`exact`: _exact's out and gradients) within 5 % + 1e-3 of
     the Triton kernels' error, and with `capped` under 1e-1 (out) / 2e-1 (gradients)."""
     (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
-    err, lse_err = _rel(fg[0], ft[0]), (fg[1] - ft[1]).abs().max().item()
-    errs = [_rel(a, b) for a, b in zip(gg, gt)]
+    err, lse_err = rel_err(ft[0], fg[0]), (fg[1] - ft[1]).abs().max().item()
+    errs = [rel_err(b, a) for a, b in zip(gg, gt)]
     print(f"GLUON {what} vs TRITON {tag}: out {err:.3g} lse {lse_err:.3g} dq/dk/dv" + "/delta" * (len(errs) > 3),
           [float(f"{e:.3g}") for e in errs])
     # where a result disagrees beyond 1e-3: its per-row differences, and for a gradient its worst rows
@@ -561,7 +557,7 @@ def _check_gluon_vs_triton(runs, what, tag, exact, lse_finite=False, same_stride
                     float(f"{ref_rows[w].norm():.3g}")) for w in flat.topk(min(4, flat.numel())).indices])
     # both against float64 before any assertion: where the two kernels disagree, this says which one strayed
     o, grads = exact
-    errs_exact = {name: [_rel(f_[0], o)] + [_rel(a, b) for a, b in zip(g_[:3], grads)]
+    errs_exact = {name: [rel_err(o, f_[0])] + [rel_err(b, a) for a, b in zip(g_[:3], grads)]
                   for name, (f_, g_) in runs.items()}
     print(f"{what} vs EXACT {tag}: out/dq/dk/dv",
           {name: [float(f"{e:.3g}") for e in errs_] for name, errs_ in errs_exact.items()})
@@ -647,7 +643,7 @@ def test_hopper_ragged_fallbacks(monkeypatch):
     *grads, rs, ra = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, return_row_sums=True)
     assert [c for c, _ in calls] == ["fwd_hopper"], calls
     ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
-    assert all(_rel(a, b) < FP8_TOL for a, b in zip(grads, ref))
+    assert all(rel_err(b, a) < FP8_TOL for a, b in zip(grads, ref))
     assert (rs.norm() / ra.norm()).item() <= 1e-5  # the Delta-Matching invariant
 
 
@@ -680,7 +676,7 @@ def test_fwd_hopper_kernel(stages):
                 outs[name] = K.forward(q, k, v, **kw)
             finally:
                 K.TUNE.clear()
-        err = _rel(outs["gluon"][0], outs["triton"][0])
+        err = rel_err(outs["triton"][0], outs["gluon"][0])
         lse_err = (outs["gluon"][1] - outs["triton"][1]).abs().max().item()
         print("GLUON FWD vs TRITON", B, Hq, Hkv, N, D, causal, stages, err, lse_err)
         assert err < 1e-3 and lse_err < 1e-4, (err, lse_err)
@@ -1073,7 +1069,7 @@ def test_cuda_graph_capture(case, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     for name, got, want in zip(("out", "dq", "dk", "dv"), static, eager):
-        assert torch.equal(got, want), (case, name, _rel(got, want))
+        assert torch.equal(got, want), (case, name, rel_err(want, got))
     fresh = _inputs(2, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=31)[:3]
     with torch.no_grad():
         for leaf, new in zip(leaves, fresh):
@@ -1082,4 +1078,4 @@ def test_cuda_graph_capture(case, monkeypatch):
     eager = fwd_bwd()
     torch.cuda.synchronize()
     for name, got, want in zip(("out", "dq", "dk", "dv"), static, eager):
-        assert torch.equal(got, want), (case, name, "new inputs", _rel(got, want))
+        assert torch.equal(got, want), (case, name, "new inputs", rel_err(want, got))

@@ -16,9 +16,10 @@ Tolerances:
 
 import pytest
 import torch
-from test_attention import BOUND, make, rel, run_exact, run_op
+from test_attention import BOUND, make, run_exact, run_op
 
 from hf_deltamatch import DeltaMatchConfig, deltamatch_attention, diagnostics, outliers
+from hf_deltamatch.testing import rel_err
 
 kernels = pytest.importorskip("hf_deltamatch.kernels")
 from hf_deltamatch.kernels import ops  # noqa: E402
@@ -242,9 +243,9 @@ def test_fused_op_gradients(case, option, monkeypatch):
     out64 = transformed_exact(q64, k64, v64)
     exact = (out64.detach(), *torch.autograd.grad(out64, (q64, k64, v64), do.double()))
     fwd, bwd = BOUND["fp8"]
-    assert rel(got[0], exact[0]) < fwd
+    assert rel_err(exact[0], got[0]) < fwd
     for name, x, w in zip("qkv", got[1:], exact[1:]):
-        assert rel(x, w) < bwd, f"d{name}"
+        assert rel_err(w, x) < bwd, f"d{name}"
 
 
 def test_fused_op_against_float64_without_transform():
@@ -253,9 +254,9 @@ def test_fused_op_against_float64_without_transform():
     got = run_op(q, k, v, do, DeltaMatchConfig(backend="triton", qk_rotation="hadamard", smooth_k=True), **kw)
     want = run_exact(q, k, v, do, **kw)
     fwd, bwd = BOUND["fp8"]
-    assert rel(got[0], want[0]) < fwd
+    assert rel_err(want[0], got[0]) < fwd
     for name, x, w in zip("qkv", got[1:], want[1:]):
-        assert rel(x, w) < bwd, f"d{name}"
+        assert rel_err(w, x) < bwd, f"d{name}"
 
 
 def test_sinks_with_the_fused_rotation(monkeypatch):
@@ -274,7 +275,7 @@ def test_sinks_with_the_fused_rotation(monkeypatch):
         if backend == "triton":
             assert not unfused
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), grads["triton"], grads["reference"]):
-        assert rel(a, b.double()) <= 1e-3, name
+        assert rel_err(b.double(), a) <= 1e-3, name
 
 
 def test_bf16_precision_keeps_the_torch_transforms(monkeypatch):
@@ -286,7 +287,7 @@ def test_bf16_precision_keeps_the_torch_transforms(monkeypatch):
     assert unfused
     want = run_op(q, k, v, do, cfg.replace(backend="reference"))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        assert rel(a, b.double()) <= 1e-3, name
+        assert rel_err(b.double(), a) <= 1e-3, name
 
 
 def test_kernels_reject_a_transform_they_cannot_apply():
@@ -376,8 +377,8 @@ def test_fused_transforms_on_the_gpu(packed):
     exact = run_exact(q, k, v, do, **kw)
     for name, a, b, e in zip(("out", "dq", "dk", "dv"), got, unfused, exact):
         assert torch.isfinite(a).all(), name
-        assert rel(a, b.double()) <= 1e-2, name
-        assert rel(a, e) < (BOUND["fp8"][0] if name == "out" else BOUND["fp8"][1]), name
+        assert rel_err(b.double(), a) <= 1e-2, name
+        assert rel_err(e, a) < (BOUND["fp8"][0] if name == "out" else BOUND["fp8"][1]), name
 
 
 def test_torch_compile_traces_the_fused_path():

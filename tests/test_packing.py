@@ -78,8 +78,9 @@ def test_packed_forward_equals_per_document_forward(attn, monkeypatch):
         packed = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits[0]
         pieces = [docs[0], docs[1], docs[2][:3], docs[2][3:], docs[3][:102]]
         alone = torch.cat([model(input_ids=p[None], use_cache=False).logits[0] for p in pieces])
-    tol = dict(atol=2e-5, rtol=1e-4) if attn != "deltamatch_fp8" else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(packed, alone, **tol)
+    # the op computes each document alone, so as for sdpa and eager only the fp32 linear layers' rounding on other
+    # shapes differs (max |difference| measured 2.4e-7 sdpa, 3.6e-7 deltamatch_fp8, logits up to 1.5)
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-4)
     # and the row is not trivially equal to an unpacked forward (documents WOULD interact without boundaries)
     with torch.no_grad():
         leaky = model(input_ids=batch["input_ids"], use_cache=False).logits[0]

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 
 from hf_deltamatch import DeltaMatchConfig, deltamatch_attention  # noqa: E402
 from hf_deltamatch import reference as R  # noqa: E402
+from hf_deltamatch.testing import rel_err  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _gluon import skip_unless_gluon_triton  # noqa: E402
@@ -29,11 +30,6 @@ if torch.cuda.is_available():
     from hf_deltamatch.kernels import launch as KL
 
 FP8_TOL, BF16_TOL = 1e-2, 2e-3
-
-
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(B, Hq, Hkv, N, D, seed=0):
@@ -73,7 +69,7 @@ def test_kernels_match_reference_with_sinks(case):
     got = _op(q, k, v, do, sinks, DeltaMatchConfig(backend="triton", **c), **kw)
     want = _op(q, k, v, do, sinks, DeltaMatchConfig(backend="reference", **c), **kw)
     tol = BF16_TOL if c.get("precision") == "bf16" else FP8_TOL
-    errs = {name: _rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got[:1] + got[2:5],
+    errs = {name: rel_err(b, a) for name, a, b in zip(("out", "dq", "dk", "dv"), got[:1] + got[2:5],
                                                    want[:1] + want[2:5])}
     fin = torch.isfinite(want[1])
     assert torch.equal(torch.isfinite(got[1]), fin)
@@ -116,6 +112,6 @@ def test_packed_gluon_delta_is_the_triton_one(D, monkeypatch):
     monkeypatch.setitem(K.TUNE, "hopper_packed", False)
     triton_ = K.backward(do, q, k, v, out, lse, *saved, **kw, return_delta=True)[-1]
     ref = R.backward(do, q, k, v, out, lse, *saved, **kw, return_delta=True)[-1]
-    print(f"PACKED DELTA D{D}: gluon vs triton {_rel(gluon, triton_):.3g}, vs reference {_rel(gluon, ref):.3g}")
-    assert _rel(gluon, triton_) < 1e-3 and _rel(gluon, ref) < FP8_TOL
+    print(f"PACKED DELTA D{D}: gluon vs triton {rel_err(triton_, gluon):.3g}, vs reference {rel_err(ref, gluon):.3g}")
+    assert rel_err(triton_, gluon) < 1e-3 and rel_err(ref, gluon) < FP8_TOL
     assert not gluon[:, :, 2600:].any()
