@@ -40,11 +40,12 @@ UNSUPPORTED = {
 }
 
 CAUSAL_INPUTS = ("plain", "left-pad", "right-pad", "all-pad-row", "packed-positions-b1", "packed-positions-b2",
-                 "packed-cu-b1", "packed-cu-b2", "decode", "train-plain", "train-left-pad", "train-packed-b2")
+                 "packed-cu-b1", "packed-cu-b2", "packed-cu-only-b2", "decode", "train-plain", "train-left-pad",
+                 "train-packed-b2")
 # inputs a family cannot take for reasons outside the attention op
 NOT_APPLICABLE = {
     # transformers' torch Gated DeltaNet refuses cu_seq_lens (it runs before the attention layer)
-    ("qwen3_next", "packed-cu-b1"), ("qwen3_next", "packed-cu-b2"),
+    ("qwen3_next", "packed-cu-b1"), ("qwen3_next", "packed-cu-b2"), ("qwen3_next", "packed-cu-only-b2"),
 }
 INPUTS = {
     "causal": CAUSAL_INPUTS,
@@ -108,13 +109,16 @@ def run_causal(model, kind):
         rows = [[10, 5, 9]] if kind.endswith("b1") else [[10, 5, 9], [3, 21]]
         x, pos = packed_rows(rows)
         return [model(input_ids=x, position_ids=pos, use_cache=False).logits]
-    if kind in ("packed-cu-b1", "packed-cu-b2"):
+    if kind.startswith("packed-cu"):
         rows = [[10, 5, 9]] if kind.endswith("b1") else [[10, 5, 9], [3, 21]]
         x, pos = packed_rows(rows)
         lengths = [n for docs in rows for n in docs]
         cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
-        out = model(input_ids=x, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
-                    max_length_k=max(lengths), use_cache=False).logits
+        # "-only": flash-attention's kwargs alone (the model's positions run on through the row, its masks pack
+        # nothing), as a collator that returns no position_ids gives them
+        positions = {} if "-only" in kind else {"position_ids": pos}
+        out = model(input_ids=x, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths),
+                    max_length_k=max(lengths), use_cache=False, **positions).logits
         return [out.reshape(-1, out.shape[-1])]
     if kind == "decode":  # prefill a left-padded batch, then one token through the KV cache
         x, mask, pos = padded([20, 13], "left")
@@ -149,11 +153,14 @@ def per_document_oracle(model, kind):
     """Each document alone (the packed cu_seq_lens inputs' ground truth)."""
     rows = [[10, 5, 9]] if kind.endswith("b1") else [[10, 5, 9], [3, 21]]
     x, pos = packed_rows(rows)
-    outs, at = [], 0
-    flat = x.flatten()
-    for docs in rows:
+    outs = []
+    for r, docs in enumerate(rows):
+        at = 0
         for n in docs:
-            outs.append(model(input_ids=flat[at:at + n][None], use_cache=False).logits[0])
+            # each document at the positions the packed call gave it: from 0, or where it sits in its row ("-only")
+            start = at if "-only" in kind else 0
+            outs.append(model(input_ids=x[r, at:at + n][None], position_ids=torch.arange(start, start + n)[None],
+                              use_cache=False).logits[0])
             at += n
     return [torch.cat(outs)]
 

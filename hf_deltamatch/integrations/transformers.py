@@ -146,6 +146,30 @@ def _segment_layout(seg: torch.Tensor) -> _Layout:
     return _Layout(None, None, None, cu, cu)
 
 
+def _layer_type(module) -> str | None:
+    types = getattr(getattr(module, "config", None), "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    return types[idx] if types is not None and idx is not None and idx < len(types) else None
+
+
+def _by_documents(seg: torch.Tensor, cu: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """Segments (B, N) split further where flash-attention's cu_seq_lens start a document (over the B * N tokens,
+    row after row). Chunked attention (chunk: its size) counts its chunks from each document's start, as transformers
+    does for documents packed by position_ids (the mask's own chunks count from the row's start)."""
+    B, N = seg.shape
+    tokens = torch.arange(B * N, device=seg.device)
+    cu = cu.to(device=seg.device, dtype=torch.int64)
+    which = torch.searchsorted(cu, tokens, right=True) - 1
+    doc = which.view(B, N)
+    start = torch.ones_like(seg, dtype=torch.bool)
+    start[:, 1:] = (doc[:, 1:] != doc[:, :-1]) | ((seg[:, 1:] < 0) != (seg[:, :-1] < 0))
+    if chunk is None:
+        start[:, 1:] |= seg[:, 1:] != seg[:, :-1]
+    else:
+        start |= ((tokens - cu[which.clamp(0, cu.numel() - 1)]) % chunk == 0).view(B, N)
+    return torch.where(seg < 0, -1, start.cumsum(1, dtype=torch.int32) - 1)
+
+
 _LAYOUTS = TensorCache(size=8)
 
 
@@ -231,13 +255,25 @@ def deltamatch_attention_forward(
         # a static cache: only the first mask-length slots hold keys, the rest are empty preallocated slots
         KV = mask.shape[1]
         key, value = key[:, :, :KV], value[:, :, :KV]
+    # packed rows from DataCollatorWithFlattening & co.: cu_seq_lens over the batch's rows, one after another
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if (cu_q is None) != (cu_k is None):
+        raise ValueError("deltamatch_fp8: pass both cu_seq_lens_q and cu_seq_lens_k, or neither.")
     if mask is None:
-        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-        if cu_q is None or cu_k is None:
+        if cu_q is None:
             return attn(query, key, value).transpose(1, 2).to(in_dtype), None
-        # packed rows from DataCollatorWithFlattening & co.: cu_seq_lens over the batch's rows, one after another
         out = attn(_pack(query, None), _pack(key, None), _pack(value, None), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
         return _unpack(out, None, B, S).to(in_dtype), None
+    if cu_q is not None:
+        if mask.dtype == torch.bool:
+            raise ValueError("deltamatch_fp8 got both a padding mask and flash-attention's cu_seq_lens_*: pass one "
+                             "(packed rows need no padding).")
+        if cu_q is not cu_k and (cu_q.shape != cu_k.shape or S != KV):
+            raise ValueError("deltamatch_fp8: cu_seq_lens_q and cu_seq_lens_k must describe the same documents here "
+                             "(self-attention over packed rows).")
+        chunk = getattr(module.config, "attention_chunk_size", None) if _layer_type(module) == "chunked_attention" \
+            else None
+        mask = _by_documents(mask, cu_q, chunk)
     lay = _layout(mask, S, KV, causal, window)
     out = attn(_pack(query, lay.q_index), _pack(key, lay.k_index), _pack(value, lay.k_index),
                cu_seqlens_q=lay.cu_q, cu_seqlens_k=lay.cu_k)

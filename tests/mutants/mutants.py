@@ -14,11 +14,16 @@ OUTL = "hf_deltamatch/outliers.py"
 FWD = "hf_deltamatch/kernels/forward.py"
 BWD = "hf_deltamatch/kernels/backward.py"
 FP8 = "hf_deltamatch/kernels/_fp8.py"
-INTEG = "hf_deltamatch/integrations/transformers.py"  # being rewritten: its anchors may need updating
+INTEG = "hf_deltamatch/integrations/transformers.py"
+MASKS = "hf_deltamatch/integrations/masks.py"
 
 
 def contract(case: str, delta: str = "matching") -> str:
     return f"tests/test_fp8_contract.py::test_reference_is_the_contract[{case}-{delta}]"
+
+
+def PATTERNS(family: str, kind: str) -> str:  # noqa: N802 (reads as the harness's case name)
+    return f"tests/test_transformers_patterns.py::test_matches_eager_or_raises[{family}-{kind}]"
 
 
 def exact(case: str, mode: str = "fp8-matching") -> str:
@@ -149,29 +154,40 @@ MUTANTS = [
          edits=[(BWD, "    if STALE:\n        dohp", "    if True:\n        dohp")],
          tests=[KERNELS_CONTRACT]),
     # ---- the transformers integration (being rewritten: anchors may need updating) ------------------------------
-    dict(name="integration-position-ids-packing-ignored", what="documents packed in one row (position_ids restarting "
-         "at 0) attend to each other",
-         edits=[(INTEG, "    if position_ids is None or batch != 1 or length == 1 "
-                        "or position_ids.shape[-1] != length:\n"
-                        "        return None",
-                 "    if True:\n        return None")],
-         tests=["tests/test_transformers_models.py::test_packed_training_equals_per_sequence[llama-position_ids]"]),
-    dict(name="integration-position-ids-packing-shifted", what="document boundaries one token late "
-         "(position_ids == 1 taken for a start)",
-         edits=[(INTEG, "starts = (pos == 0).nonzero().flatten()", "starts = (pos == 1).nonzero().flatten()")],
-         tests=["tests/test_transformers_models.py::test_packed_training_equals_per_sequence[llama-position_ids]"]),
-    dict(name="integration-cu-seqlens-ignored", what="the packed branch never runs: cu_seq_lens dropped, position_ids "
-         "absent (flash kwargs only)",
-         edits=[(INTEG, 'cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")', "cu_q = cu_k = None"),
-                (INTEG, 'cu = _packed_from_position_ids(kwargs.get("position_ids"), B, S) if S == kv_len else None',
-                 "cu = None")],
-         tests=["tests/test_transformers_models.py::test_packed_training_equals_per_sequence[llama-cu_seq_lens]"]),
-    dict(name="integration-B>1-packing-broken", what="a packed batch of B > 1 rows is flattened without moving the "
-         "batch axis next to the tokens (heads and rows interleave)",
-         edits=[(INTEG, "flat = lambda x: x.transpose(0, 1).reshape(1, x.shape[1], -1, x.shape[-1]) if x.shape[0] > 1 "
-                        "else x",
-                 "flat = lambda x: x.reshape(1, x.shape[1], -1, x.shape[-1]) if x.shape[0] > 1 else x")],
-         tests=["tests/test_transformers_models.py::test_packed_training_equals_per_sequence[llama-cu_seq_lens]"],
-         gap="no test packs B > 1 rows through the integration yet (issue #50 item 5, the integration's packing "
-             "branches)"),
+    dict(name="integration-position-ids-packing-ignored", what="documents packed in rows by position_ids (the "
+         "mask's segments) run as one sequence per row",
+         edits=[(MASKS, "        seg = segments(mask_function, batch_size, kv_length, device)",
+                 "        seg = torch.zeros(batch_size, kv_length, dtype=torch.int32, device=device)")],
+         tests=[PATTERNS("qwen3", "packed-positions-b2"),
+                "tests/test_transformers_models.py::test_packed_training_equals_per_sequence[llama-position_ids]"]),
+    dict(name="integration-position-ids-packing-shifted", what="document boundaries one token late (a token's "
+         "predecessor taken for its successor)",
+         edits=[(MASKS, "    sees = mask_function(b, 0, j, j - 1).expand(batch_size, length - 1)",
+                 "    sees = mask_function(b, 0, j - 1, j).expand(batch_size, length - 1)")],
+         tests=[PATTERNS("qwen3", "packed-positions-b2")]),
+    dict(name="integration-chunks-ignored", what="Llama 4's chunked attention run as full causal attention",
+         edits=[(MASKS, "    chunked = p.chunk is not None and int(kv_offset) + kv_length > p.chunk",
+                 "    chunked = False")],
+         tests=[PATTERNS("llama4_chunked", "plain")]),
+    dict(name="integration-cu-seqlens-ignored", what="flash-attention's cu_seq_lens kwargs dropped",
+         edits=[(INTEG, '    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")\n',
+                 "    cu_q = cu_k = None\n")],
+         tests=[PATTERNS("llama", "packed-cu-only-b2")]),
+    dict(name="integration-B>1-packing-broken", what="rows of B > 1 flattened without moving the batch axis next to "
+         "the tokens (heads and rows interleave)",
+         edits=[(INTEG, "        return x if B == 1 else x.transpose(0, 1).reshape(1, H, B * L, D)",
+                 "        return x if B == 1 else x.reshape(1, H, B * L, D)")],
+         tests=[PATTERNS("llama", "packed-cu-only-b2")]),
+    dict(name="integration-cross-attention-queries-masked", what="a padded encoder's mask also taken for the "
+         "decoder's queries (the last S key positions)",
+         edits=[(INTEG, "    if not causal:\n        full = torch.full_like(n_k, S)",
+                 "    if False:\n        full = torch.full_like(n_k, S)")],
+         tests=[PATTERNS("bart", "dec-longer"), PATTERNS("bart", "enc-right-pad")]),
+    dict(name="integration-padding-queries-misaligned", what="a padded row's queries taken in key order when the "
+         "cache holds more keys than queries (decoding with left padding)",
+         edits=[(INTEG, "    real_q = real[:, KV - S:]", "    real_q = real[:, :S]")],
+         tests=[PATTERNS("llama", "decode")]),
+    dict(name="integration-window-dropped", what="a sliding layer run without its window",
+         edits=[(INTEG, "    window = sliding_window\n", "    window = None\n")],
+         tests=[PATTERNS("mistral", "plain")]),
 ]
