@@ -79,6 +79,10 @@ def varlen(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, n: int, m: in
     cover: the sequences must hold every token (the op's contract); the kernels' own entry points also take
     sequences that leave tokens out at either end (their outputs there are zero)."""
     check_static(cu_seqlens_q, cu_seqlens_k, cu_seqlens_q.device)
+    if cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("packed sequences (cu_seqlens) cannot be captured in a CUDA graph: the kernels' launch "
+                           "grids need the sequences' lengths on the host. Capture dense batches only, or run packed "
+                           "ones eagerly (torch.compile without mode='reduce-overhead').")
     if cu_seqlens_q.device.type == "cpu":
         return _read(cu_seqlens_q, cu_seqlens_k, n, m, cover)
     return _CACHE.get((cu_seqlens_q, cu_seqlens_k), lambda: _read(cu_seqlens_q, cu_seqlens_k, n, m, cover),

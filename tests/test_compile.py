@@ -50,3 +50,47 @@ def test_fullgraph_traces_and_matches_eager(call, dynamic):
     compiled = run(torch.compile(op, backend="aot_eager", fullgraph=True, dynamic=dynamic), **CALLS[call])
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inputs", ["plain", "padded", "packed-positions", "packed-cu"])
+def test_model_traces_whole_and_matches_eager(inputs):
+    """A transformers model's forward and backward under torch.compile(fullgraph=True): the mask function and the
+    layouts trace (no closure reads, no host reads), with eager's results (tests/test_transformers_patterns.py)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import _pattern_models as pm
+    from test_transformers_patterns import ids, packed_rows, padded
+
+    import hf_deltamatch
+
+    hf_deltamatch.set_default_config(hf_deltamatch.get_default_config().replace(precision="bf16"))
+    torch._dynamo.reset()
+    if inputs == "plain":
+        kw = dict(input_ids=ids(2, 24))
+    elif inputs == "padded":
+        x, mask, pos = padded([24, 17, 9], "left")
+        kw = dict(input_ids=x, attention_mask=mask, position_ids=pos)
+    else:
+        x, pos = packed_rows([[10, 5, 9], [3, 21]])
+        kw = dict(input_ids=x, position_ids=pos)
+        if inputs == "packed-cu":
+            cu = torch.tensor([0, 10, 15, 24, 27, 48], dtype=torch.int32)
+            kw = dict(input_ids=x, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=21, max_length_k=21)
+    model = pm.build("qwen3", "deltamatch_fp8")
+
+    def forward(**kw):
+        return model(**kw, use_cache=False).logits
+
+    def step(fwd, **kw):
+        model.zero_grad(set_to_none=True)
+        logits = fwd(**kw)
+        logits.float().square().mean().backward()  # through the compiled graph's backward
+        return [logits.detach()] + [p.grad for _, p in sorted(model.named_parameters())]
+
+    eager = step(forward, **kw)
+    compiled = step(torch.compile(forward, backend="aot_eager", fullgraph=True), **kw)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

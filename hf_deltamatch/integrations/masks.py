@@ -4,8 +4,9 @@ transformers builds each forward's masks by calling the registered mask function
 pattern as a composed `mask_function` (causal, sliding window, chunks, packed documents, image-token blocks, a
 model's own overlays) and the padding as a 2D `attention_mask`. The op runs causal or bidirectional attention,
 sliding windows and packed sequences; padding becomes packed sequences too. So the pattern is read from the
-composition (`pattern`, a constant for torch.compile), every pattern the op cannot express is refused by name,
-and what the attention function needs is returned as a tensor:
+composition (`pattern`; under torch.compile, which hides the composition, from the call's arguments and a check on the
+device: `traced_pattern`), every pattern the op cannot express is refused by name, and what the attention function
+needs is returned as a tensor:
 
   None                    no padding, no documents: one sequence per row (the pattern's causality and window
                           come with the attention call)
@@ -89,12 +90,29 @@ def _walk(fn) -> Pattern:
     _refuse(f"the mask function transformers.masking_utils.{name}, which deltamatch_fp8 does not know")
 
 
-@torch.compiler.assume_constant_result
 def pattern(mask_function) -> Pattern:
-    """The Pattern of a composed mask_function (read from transformers' closures: under torch.compile a constant
-    of the graph, so the composition must not change between calls of a compiled model), or ValueError naming what
-    the op cannot run."""
+    """The Pattern of a composed mask_function, read from transformers' closures (eager mode), or ValueError naming
+    what the op cannot run."""
     return _walk(mask_function)
+
+
+def traced_pattern(config, kwargs) -> Pattern:
+    """The Pattern as far as torch.compile lets it be known: a traced function's closures cannot be read, so from the
+    mask interface's arguments. transformers passes use_vmap=True exactly when a model's own or_mask_function /
+    and_mask_function is composed in, local_size for sliding windows and chunks, allow_is_bidirectional_skip for
+    bidirectional masks. Packed documents and chunks are then found by probing (segments), and what no argument
+    shows (image-token blocks, which see the tokens after them) by a check on the device (see_no_successor)."""
+    if kwargs.get("use_vmap"):
+        _refuse("a model's own mask overlay (an or_mask_function or and_mask_function), which torch.compile hides")
+    local = kwargs.get("local_size")
+    if "allow_is_bidirectional_skip" in kwargs:
+        if local is not None:
+            _refuse(_UNSUPPORTED["sliding_window_bidirectional_overlay"])
+        return Pattern(False, None, None, False)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if local is not None and local == chunk:
+        return Pattern(True, None, int(chunk), True)
+    return Pattern(True, None if local is None else int(local), None, True)
 
 
 def segments(mask_function, batch_size: int, length: int, device) -> torch.Tensor:
@@ -108,6 +126,17 @@ def segments(mask_function, batch_size: int, length: int, device) -> torch.Tenso
     return starts.cumsum(1, dtype=torch.int32) - 1
 
 
+def see_no_successor(mask_function, batch_size: int, length: int, device) -> None:
+    """Check on the device (no host read; a device-side assertion stops the run) that no token sees the one after it:
+    a causal pattern of segments, not image-token blocks or a prefix seen both ways (traced_pattern's blind spot)."""
+    b = torch.arange(batch_size, device=device)[:, None]
+    j = torch.arange(1, length, device=device)[None, :]
+    torch._assert_async(~mask_function(b, 0, j - 1, j).any(),
+                        "deltamatch_fp8 cannot run this model's attention mask under torch.compile: some tokens see "
+                        "the tokens after them (bidirectional blocks of image tokens, or a prefix). Use "
+                        "attn_implementation='sdpa' for this model.")
+
+
 def deltamatch_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
                     attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """transformers mask function (module docstring). With a static cache, whose key tensors are longer than what
@@ -117,14 +146,21 @@ def deltamatch_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, 
     if not tracing:
         _varlen.clear_cache()  # once per forward: cu_seqlens are read afresh for every batch
     device = kwargs.get("device", attention_mask.device if attention_mask is not None else None)
-    p = pattern(mask_function) if mask_function is not None else Pattern(True, None, None, False)
+    if mask_function is None:
+        p = Pattern(True, None, None, False)
+    else:
+        p = traced_pattern(kwargs.get("config"), kwargs) if tracing else pattern(mask_function)
     chunked = p.chunk is not None and int(kv_offset) + kv_length > p.chunk  # shorter: one chunk, plain causal
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:]
-    if chunked or p.packed:
-        if not isinstance(q_offset, int) or q_offset != 0 or q_length != kv_length:
-            _refuse("chunked attention over a KV cache (generation past the first chunk)" if chunked else
-                    "packed documents over a KV cache")
+    prefill = isinstance(q_offset, int) and q_offset == 0 and q_length == kv_length
+    if chunked and not prefill:
+        _refuse("chunked attention over a KV cache (generation past the first chunk)")
+    if p.packed and not prefill and not tracing:
+        _refuse("packed documents over a KV cache")
+    if chunked or (p.packed and prefill):
+        if tracing:
+            see_no_successor(mask_function, batch_size, kv_length, device)
         seg = segments(mask_function, batch_size, kv_length, device)
         if attention_mask is not None:
             seg = torch.where(attention_mask.bool(), seg, -1)
