@@ -1028,16 +1028,18 @@ def report_md(report) -> str:
             lines.append(f"| {r['setting']} | {r['attn']} | {_variant(r)} | {compiled} | {r.get('status')}: "
                          f"{(r.get('reason') or '').replace('|', '/')} |" + " |" * 11)
             continue
-        spread = f" ± {_fmt(r['tokens_per_s_spread'], ',.0f')}" if r.get("repeats", 1) > 1 else ""
+        r = {k: r.get(k) for k in ("gdn_backend", "grad_accum", "gradient_checkpointing", "step_ms", "achieved_tflops",
+                                   "mfu", "attention_share", "gdn_share", "short_conv_share", "optimizer_share")} | r
+        spread = f" ± {_fmt(r.get('tokens_per_s_spread'), ',.0f')}" if (r.get("repeats") or 1) > 1 else ""
         lines.append(
             f"| {r['setting']} | {r['attn']} | {_variant(r)} | {compiled} | {r['gdn_backend']} | "
             f"{r['seq_len']} × {r['batch_size']} × {r['grad_accum']} | "
             f"{'yes' if r['gradient_checkpointing'] else 'no'} | {_fmt(r['step_ms'], '.0f')} | "
             f"{_fmt(r['tokens_per_s'], ',.0f')}{spread} | {_fmt(r['peak_memory_gib'], '.1f')}"
             f" | {_fmt(r['achieved_tflops'], '.1f')} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['attention_share'], '.1%')} |"
-            f" {_fmt(r['gdn_share'], '.1%')} | {_fmt(r.get('short_conv_share'), '.1%')} |"
-            f" {_fmt(r.get('optimizer_share'), '.1%')} |")
-    ok = [r for r in report["runs"] if r.get("status") == "ok"]
+            f" {_fmt(r['gdn_share'], '.1%')} | {_fmt(r['short_conv_share'], '.1%')} |"
+            f" {_fmt(r['optimizer_share'], '.1%')} |")
+    ok = [r for r in report["runs"] if r.get("status") == "ok" and r.get("flops_per_step")]
     if ok:
         r = ok[0]
         f = r["flops_per_step"]

@@ -65,10 +65,12 @@ def packed_cu_seqlens(position_ids: torch.Tensor | None, batch: int, length: int
 class FlashKernels:
     """FlashAttention-2 varlen forward and backward as ATen ops (what torch.nn.attention.varlen calls), with the
     softmax log-sum-exp the sinks need. Positions 2 and 3 of the forward's outputs (the RNG state and its companion,
-    named differently across torch versions) go back to the backward as they came."""
+    named differently across torch versions) go back to the backward as they came. A left window runs as
+    torch.nn.attention.varlen runs it: not causal, window (W - 1, 0)."""
 
     def __init__(self, cu: torch.Tensor, longest: int, causal: bool, scale: float | None, window: tuple[int, int]):
-        self.cu, self.longest, self.causal, self.scale, self.window = cu, longest, causal, scale, window
+        self.cu, self.longest, self.scale, self.window = cu, longest, scale, window
+        self.causal = causal and window[0] < 0
 
     def forward(self, q, k, v):
         res = torch.ops.aten._flash_attention_forward(
@@ -83,31 +85,36 @@ class FlashKernels:
 
 
 class SinkAttention(torch.autograd.Function):
-    """Attention with one learnable sink logit per query head from a kernel pair that returns the log-sum-exp and
-    computes the backward FlashAttention's way (dS = P * (dO V^T - rowsum(dO * O))).
+    """Attention with one learnable sink logit per query head, from a kernel pair (`kernels(cu, longest, causal,
+    scale, window)`, FlashKernels' interface) that returns the log-sum-exp and computes the backward FlashAttention's
+    way (dS = P * (dO V^T - rowsum(dO * O))).
 
     Y = w * out with w = sigmoid(lse - s): the sink joins each row's softmax denominator with no value. Its
     gradient: d out = w * dY, d lse = rowsum(dY * out) * w (1 - w), d s = -sum over rows of the same. The LSE's
     gradient adds d lse * P to dS, so dS = P * (w dY V^T - w rowsum(dY * out) + w (1 - w) rowsum(dY * out))
     = P * (w dY V^T - rowsum(w dY * Y)): the kernel's backward with grad w * dY and output Y. q, k, v: (T, H, D);
-    sinks: (Hq,) fp32."""
+    sinks: (Hq,); cu: int32 cu_seqlens; the rest constants (a traced graph keeps them)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, kernels):
-        out, lse, state = kernels.forward(q, k, v)
-        w = torch.sigmoid(lse - sinks.float()[:, None]).transpose(0, 1)[..., None]  # (T, Hq, 1) fp32
-        y = (out.float() * w).to(out.dtype)
-        ctx.save_for_backward(q, k, v, y, lse, w, *state)
-        ctx.kernels = kernels
+    def forward(ctx, q, k, v, sinks, cu, longest, causal, scale, window, kernels=FlashKernels):
+        out, lse, state = kernels(cu, longest, causal, scale, window).forward(q, k, v)
+        if lse.shape != (q.shape[1], q.shape[0]):
+            raise RuntimeError(f"{NAME}: the kernel's log-sum-exp has shape {tuple(lse.shape)}, not (heads, tokens) "
+                               f"{(q.shape[1], q.shape[0])}: this torch's FlashAttention-2 lays it out otherwise")
+        acc = torch.promote_types(out.dtype, torch.float32)
+        w = torch.sigmoid(lse.to(acc) - sinks.to(acc)[:, None]).transpose(0, 1)[..., None]  # (T, Hq, 1)
+        y = (out.to(acc) * w).to(out.dtype)
+        ctx.save_for_backward(q, k, v, y, lse, w, cu, *state)
+        ctx.params, ctx.kernels, ctx.sinks_dtype = (longest, causal, scale, window), kernels, sinks.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, y, lse, w, *state = ctx.saved_tensors
-        g = grad.float()
-        d_sinks = -((g * y.float()).sum(-1, keepdim=True) * (1 - w)).sum((0, 2))
-        dq, dk, dv = ctx.kernels.backward((g * w).to(grad.dtype), q, k, v, y, lse, state)
-        return dq, dk, dv, d_sinks, None
+        q, k, v, y, lse, w, cu, *state = ctx.saved_tensors
+        g = grad.to(w.dtype)
+        d_sinks = -((g * y.to(w.dtype)).sum(-1, keepdim=True) * (1 - w)).sum((0, 2))
+        dq, dk, dv = ctx.kernels(cu, *ctx.params).backward((g * w).to(grad.dtype), q, k, v, y, lse, state)
+        return dq, dk, dv, d_sinks.to(ctx.sinks_dtype), None, None, None, None, None, None
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -145,7 +152,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     q, k, v = flat(query), flat(key), flat(value)
     sinks = kwargs.get("s_aux")
     if sinks is not None:  # FlashAttention-2 takes GQA as it is
-        out = SinkAttention.apply(q, k, v, sinks, FlashKernels(cu, int(longest), causal, scaling, window))
+        out = SinkAttention.apply(q, k, v, sinks, cu, int(longest), causal, scaling, window)
         return out.reshape(B, S, Hq, out.shape[-1]), None
     attn = _varlen_attn()
     gqa = {}
