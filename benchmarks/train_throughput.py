@@ -13,9 +13,11 @@ sdpa, bf16 linears:
                           at each, cu_seq_lens), also against torch_varlen: FlashAttention-2 varlen through torch
                           (benchmarks/varlen_attention.py), as sdpa takes a masked path over the whole row.
   gptoss-attn             gpt-oss's attention at 8192 x 1 (below), against torch_varlen (FlashAttention-2 with the
-                          windows and exact sinks: its ratio base) and transformers' flex_attention; its sdpa row is a
-                          skip, as transformers runs gpt-oss without sdpa (SDPA has no sinks).
-  hybrid-1p7b             the recipe's 8K and 64K settings (`8k`, `64k` below), also torch_varlen at 8K.
+                          windows and exact sinks: its ratio base) and, as an extra, transformers' flex_attention; its
+                          sdpa row is a skip, as transformers runs gpt-oss without sdpa (SDPA has no sinks).
+  hybrid-1p7b             the recipe's 8K and 64K settings (`8k`, `64k` below), as an extra torch_varlen at 8K.
+They run every eager row first (dense shapes first), then every compiled row, then the extra baselines
+(flex_attention on gpt-oss, torch_varlen on the hybrid).
 gptoss-attn is gpt-oss-20b's attention as it is (hidden 2880, 64 query / 8 KV heads of dim 64, learnable sinks, a
 128-token sliding window on every other of its 24 layers, attention biases, YaRN RoPE, vocab 201088) with its
 mixture of 32 experts replaced by one expert of width 4 x 2880: the MLP work per token of gpt-oss's 4 active experts,
@@ -161,17 +163,17 @@ class Case:
 
 
 def issue45_sections() -> list[tuple[list[Case], tuple[bool, ...]]]:
-    """The issue's rows as (cases, compiled values) sections, most needed first: a call that runs out of time leaves
-    the later sections to the next call."""
+    """The issue's rows as (cases, compiled values) sections, in the order they run: every eager row (dense shapes
+    first), then every compiled row, then the extra baselines (flex_attention on gpt-oss, torch_varlen on the hybrid),
+    so that a call that runs out of time leaves the least needed rows to the next."""
     varlen = varlen_attention.NAME
-    dense = {compiled: [Case(m, n, b) for m in ("qwen3-0.6b", "qwen3-1.7b") for n, b in DENSE_SHAPES]
-             for compiled in (False, True)}
-    packed = [Case("qwen3-0.6b", 8192, 1, PACKED_DOCS, ("sdpa", "deltamatch_fp8", varlen))]
-    gptoss = [Case("gptoss-attn", 8192, 1, 1, (varlen, "deltamatch_fp8", "sdpa", "flex_attention"))]
-    hybrid = [Case("8k", attns=("sdpa", "deltamatch_fp8", varlen), steps=1),
+    cases = [Case(m, n, b) for m in ("qwen3-0.6b", "qwen3-1.7b") for n, b in DENSE_SHAPES]
+    cases += [Case("qwen3-0.6b", 8192, 1, PACKED_DOCS, ("sdpa", "deltamatch_fp8", varlen)),
+              Case("gptoss-attn", 8192, 1, 1, (varlen, "deltamatch_fp8", "sdpa")),
+              Case("8k", attns=("sdpa", "deltamatch_fp8"), steps=1),
               Case("64k", attns=("sdpa", "deltamatch_fp8"), steps=1)]
-    return [(dense[False], (False,)), (dense[True], (True,)), (packed, (False, True)), (gptoss, (False, True)),
-            (hybrid, (False, True))]
+    extras = [Case("gptoss-attn", 8192, 1, 1, ("flex_attention",)), Case("8k", attns=(varlen,), steps=1)]
+    return [(cases, (False,)), (cases, (True,)), (extras, (False, True))]
 
 
 SUITES = {"issue45": issue45_sections}
@@ -649,21 +651,26 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def _one_line(exc: BaseException, limit: int = 600) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= limit else text[:limit] + " ..."
+    text = " ".join(w for w in f"{type(exc).__name__}: {exc}".split() if w.strip("^~"))  # no traceback carets
+    return text if len(text) <= limit else text[:limit // 2] + " ... " + text[-limit // 2:]  # the innermost frame
 
 
 def run_one(spec: dict) -> dict:
-    """One configuration: its report entry; an out-of-memory error becomes status "oom" with the peak reached."""
+    """One configuration: its report entry. An out-of-memory error becomes status "oom" with the peak reached, any
+    other exception status "failed" with its message (torch.compile's names the user code it stopped in) and the
+    end of its traceback."""
+    import traceback
+
     device = torch.device(spec["device"])
     try:
         return _run_one(spec, device)
-    except Exception as exc:  # noqa: BLE001  (anything else fails the subprocess, with its traceback)
-        if not _is_oom(exc):
-            raise
-        from hf_deltamatch.training.loop import _memory_gb
+    except Exception as exc:  # noqa: BLE001  (reported as the row's result)
+        traceback.print_exc()
+        if _is_oom(exc):
+            from hf_deltamatch.training.loop import _memory_gb
 
-        return {"status": "oom", "reason": _one_line(exc), "peak_memory_gib": _memory_gb(device)}
+            return {"status": "oom", "reason": _one_line(exc), "peak_memory_gib": _memory_gb(device)}
+        return {"status": "failed", "reason": _one_line(exc, 1500), "traceback": traceback.format_exc()[-4000:]}
 
 
 def _run_one(spec: dict, device) -> dict:
@@ -1346,8 +1353,9 @@ def main(argv=None) -> int:
         result["wall_s"] = time.monotonic() - t0
         failed |= result["status"] == "failed"
         print(f"[train_throughput]   {result['status']}"
-              + (f", {result['tokens_per_s']:,.0f} tokens/s" if result["status"] == "ok" else "")
-              + f", {result['wall_s']:.0f} s", file=sys.stderr, flush=True)
+              + (f", {result['tokens_per_s']:,.0f} tokens/s" if result["status"] == "ok" else
+                 f" ({(result.get('reason') or '')[:400]})") + f", {result['wall_s']:.0f} s",
+              file=sys.stderr, flush=True)
         record(row, result)
         left -= 1
     write()
