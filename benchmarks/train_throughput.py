@@ -38,7 +38,7 @@ One H200, calls of at most 10 minutes: each call runs the rows the JSON does not
 Writes benchmarks/results/current/train_step.json (`--step-json`), train_step.md (the table for current/README.md)
 and train_step-detail.json/.md (every run: windows, MFU, shares, --profile). train_step.json:
   {"meta": {"date", "gpu", "torch", "triton", "commit", "transformers", "suite", "compile_scope", "warmup",
-            "calls": [{"date", "argv", "rows"}]},
+            "calls": [{"date", "argv", "commit", "rows"}]},
    "rows": [{"model", "seq_len", "batch", "packed", "attn", "linears", "compiled", "tokens_per_s", "peak_gib",
              "ratio_to_sdpa", "tokens_per_s_spread", "windows", "runs", "ratio_base", "docs_per_row",
              "status", "reason"}]}
@@ -634,7 +634,12 @@ def compile_for_training(setup: Setup, scope: str, backend: str):
     layers reuse one graph) or compiled whole with its loss (scope "model")."""
     if scope == "model":
         return torch.compile(setup.wrapped, backend=backend)
-    for layer in decoder_layers(setup.lm):
+    layers = decoder_layers(setup.lm)
+    import torch._dynamo as dynamo
+
+    # should a guard tell layers apart after all, each may take its own graph rather than fall back to eager
+    dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 2 * len(layers))
+    for layer in layers:
         layer.compile(backend=backend)
     return setup.wrapped
 
@@ -1260,10 +1265,11 @@ def main(argv=None) -> int:
     env = attention_bench.environment(device)
     peak = _peak_tflops(device, args.peak_tflops)
     versions = {name: attention_bench.package_version(name) for name in ("transformers", "fla", "tilelang", "torchao")}
-    call = {"date": date, "argv": args.argv, "rows": 0}
+    commit = _commit(env, attention_bench._run)
+    call = {"date": date, "argv": args.argv, "commit": commit, "rows": 0}
     if step_path:
         meta = {"date": date, "gpu": env.get("gpu"), "torch": env.get("torch"), "triton": env.get("triton"),
-                "commit": _commit(env, attention_bench._run), "transformers": versions["transformers"],
+                "commit": commit, "transformers": versions["transformers"],
                 "suite": args.suite, "compile_scope": args.compile_scope, "warmup": args.warmup, "calls": []}
         if step is not None:
             why = _compatible(step["meta"], meta)
@@ -1358,7 +1364,8 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         record(row, result)
         left -= 1
-    write()
+    if call["rows"]:  # a call that ran nothing leaves the files as they are
+        write()
     print(step_md(step) if step_path else report_md(report))
     print(f"wrote {detail_path} and .md" + (f", {step_path} and .md" if step_path else ""), file=sys.stderr)
     if step_path:
