@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -86,3 +87,49 @@ def test_history_csv_is_complete():
         assert r["date"] and r["gpu"] and r["torch"] and r["triton"] and r["source"], r
         float(r["value"])
         assert r["metric"] in ("fwdbwd_ms", "graph_fwdbwd_ms", "tokens_per_s"), r
+
+
+def test_a_train_step_json_appends(history, tmp_path):
+    """train_throughput.py's train_step.json (issue #45's schema): tokens/s and peak memory per row, ratios over each
+    row's ratio_base in its group; its -detail.json is not read; appending again adds nothing."""
+    def row(model, attn, tps, peak, compiled=False, base="sdpa", status="ok", packed=False):
+        return {"model": model, "seq_len": 8192, "batch": 1, "packed": packed, "attn": attn, "linears": "bf16",
+                "compiled": compiled, "tokens_per_s": tps, "peak_gib": peak, "ratio_to_sdpa": None,
+                "ratio_base": base, "status": status}
+
+    step = {"meta": {"date": "2026-12-05 10:00 UTC", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0",
+                     "commit": "0123456789abcdef+dirty"},
+            "rows": [row("qwen3-0.6b", "sdpa", 100.0, 20.0), row("qwen3-0.6b", "deltamatch_fp8", 110.0, 18.0),
+                     row("qwen3-0.6b", "sdpa", 120.0, 19.0, compiled=True),
+                     row("qwen3-0.6b", "deltamatch_fp8", 114.0, 17.0, compiled=True),
+                     row("qwen3-0.6b", "torch_varlen", 105.0, 18.5, packed=True),
+                     row("gptoss-attn", "torch_varlen", 50.0, 60.0, base="torch_varlen"),
+                     row("gptoss-attn", "deltamatch_fp8", 55.0, 58.0, base="torch_varlen"),
+                     row("gptoss-attn", "sdpa", None, None, base="torch_varlen", status="skipped")]}
+    path = tmp_path / "train_step.json"
+    path.write_text(json.dumps(step))
+    detail = tmp_path / "train_step-detail.json"
+    detail.write_text(json.dumps({"meta": {"date": "2026-12-05 10:00 UTC", "step_json": "train_step.json"},
+                                  "environment": {"gpu": "NVIDIA H200"}, "runs": [{"status": "ok", "attn": "sdpa",
+                                                                                   "tokens_per_s": 1.0}]}))
+    out = tmp_path / "h.csv"
+    assert history.main([str(path), str(detail), "--csv", str(out)]) == 0
+    rows = _rows(out)
+    assert len(rows) == 14 and {r["source"] for r in rows} == {str(path)}
+    ours = _find(rows, "2026-12-05 10:00", "qwen3-0.6b 8192x1", "deltamatch_fp8, bf16 linears, eager", "tokens_per_s")
+    assert ours["ratio"] == "1.1000" and ours["baseline"] == "sdpa, bf16 linears, eager"
+    assert ours["commit"] == "0123456+dirty" and ours["gpu"] == "NVIDIA H200" and ours["triton"] == "3.6.0"
+    mem = _find(rows, "2026-12-05 10:00", "qwen3-0.6b 8192x1", "deltamatch_fp8, bf16 linears, compiled", "peak_gib")
+    assert mem["ratio"] == f"{17 / 19:.4f}" and mem["baseline"] == "sdpa, bf16 linears, compiled"
+    packed = _find(rows, "2026-12-05 10:00", "qwen3-0.6b 8192x1 packed", "torch_varlen, bf16 linears, eager",
+                   "tokens_per_s")
+    assert packed["ratio"] == "" and packed["baseline"] == ""  # no sdpa row of that group
+    oss = _find(rows, "2026-12-05 10:00", "gptoss-attn 8192x1", "deltamatch_fp8, bf16 linears, eager", "tokens_per_s")
+    assert oss["ratio"] == "1.1000" and oss["baseline"] == "torch_varlen, bf16 linears, eager"
+    assert history.main([str(path), "--csv", str(out)]) == 0 and len(_rows(out)) == 14
+    root = tmp_path / "checkout"
+    (root / "benchmarks" / "results" / "run").mkdir(parents=True)
+    for p in (path, detail):
+        shutil.copy(p, root / "benchmarks" / "results" / "run" / p.name)
+    seeded = tmp_path / "seeded.csv"
+    assert history.main(["--seed", str(root), "--csv", str(seeded)]) == 0 and len(_rows(seeded)) == 14

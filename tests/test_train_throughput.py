@@ -262,10 +262,11 @@ def test_varlen_baseline_registers_and_refuses_what_it_cannot_run(tp, varlen):
     kv = torch.randn(1, 2, 16, 32)
     with pytest.raises(ValueError, match="pack the batch"):
         varlen.varlen_attention_forward(module, q, kv, kv, torch.ones(1, 16, dtype=torch.bool))
-    with pytest.raises(ValueError, match="sinks"):
-        varlen.varlen_attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(4))
-    with pytest.raises(ValueError, match="CUDA"):
-        varlen.varlen_attention_forward(module, q, kv, kv, None)
+    with pytest.raises(ValueError, match="soft-capping"):
+        varlen.varlen_attention_forward(module, q, kv, kv, None, softcap=30.0)
+    for sinks in (None, torch.zeros(4)):
+        with pytest.raises(ValueError, match="CUDA"):
+            varlen.varlen_attention_forward(module, q, kv, kv, None, s_aux=sinks)
     assert varlen._half_dtype(module, q.bfloat16()) == torch.bfloat16  # 16-bit inputs keep their dtype
     with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 inputs (upcast rotary/norms): autocast's dtype
         assert varlen._half_dtype(module, q) == torch.bfloat16
@@ -333,3 +334,337 @@ def test_varlen_baseline_trains_the_tiny_recipe(tp, tmp_path):
     (run,) = json.loads(js.read_text())["runs"]
     assert rc == 0 and run["status"] == "ok", run
     assert run["attention_calls"] > 0 and all(torch.isfinite(torch.tensor(run["losses"])))
+
+
+class _MathKernels:
+    """FlashKernels' contract on a CPU, in float64: forward -> (out, lse (Hq, T), state), and FlashAttention's backward
+    (dS = P * (dO V^T - rowsum(dO * O)) with the O it is given), over packed documents, causal, a left window, GQA."""
+
+    def __init__(self, cu, longest, causal, scale, window):
+        lens = cu[1:] - cu[:-1]
+        doc = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        i, j = torch.arange(len(doc))[:, None], torch.arange(len(doc))[None, :]
+        assert causal and window[1] == 0 and int(lens.max()) == longest
+        self.allowed = (doc[:, None] == doc[None, :]) & (j <= i) & ((i - j <= window[0]) if window[0] >= 0 else True)
+        self.scale = scale
+
+    def _expand(self, k, hq):
+        return k.repeat_interleave(hq // k.shape[1], 1)
+
+    def _probs(self, q, k, lse=None):
+        s = torch.einsum("ihd,jhd->hij", q, self._expand(k, q.shape[1])) * self.scale
+        s = s.masked_fill(~self.allowed, float("-inf"))
+        lse = torch.logsumexp(s, -1) if lse is None else lse
+        return (s - lse[..., None]).exp(), lse
+
+    def forward(self, q, k, v):
+        p, lse = self._probs(q, k)
+        return torch.einsum("hij,jhd->ihd", p, self._expand(v, q.shape[1])), lse, ()
+
+    def backward(self, grad, q, k, v, out, lse, state):
+        hq, hkv = q.shape[1], k.shape[1]
+        p, _ = self._probs(q, k, lse)
+        dp = torch.einsum("ihd,jhd->hij", grad, self._expand(v, hq))
+        ds = p * (dp - (grad * out).sum(-1).transpose(0, 1)[..., None])
+        dq = torch.einsum("hij,jhd->ihd", ds, self._expand(k, hq)) * self.scale
+        dk = torch.einsum("hij,ihd->jhd", ds, q) * self.scale
+        dv = torch.einsum("hij,ihd->jhd", p, grad)
+        group = lambda x: x.reshape(x.shape[0], hkv, hq // hkv, x.shape[-1]).sum(2)  # noqa: E731
+        return dq, group(dk), group(dv)
+
+
+@pytest.mark.parametrize("window", [-1, 3])
+def test_varlen_sinks_equal_eager_sinks(tp, window):
+    """torch_varlen's sinks (SinkAttention: out * sigmoid(lse - s), the kernel's backward given w * dY and Y) against
+    gpt-oss's eager attention (a sink column in the softmax, autograd through it): out and the gradients of q, k, v
+    and the sinks, float64, packed documents, GQA 4/2, full and windowed."""
+    import varlen_attention
+
+    g = torch.Generator().manual_seed(0)
+    lens, hq, hkv, d = [5, 1, 7], 4, 2, 8
+    T, scale = sum(lens), d ** -0.5
+    leaves = [torch.randn(T, h, d, generator=g, dtype=torch.float64, requires_grad=True) for h in (hq, hkv, hkv)]
+    sinks = torch.randn(hq, generator=g, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(T, hq, d, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    kernels = _MathKernels(cu, max(lens), True, scale, (window, 0))
+
+    y = varlen_attention.SinkAttention.apply(*leaves, sinks, cu, max(lens), True, scale, (window, 0), _MathKernels)
+    got = [y.detach()] + list(torch.autograd.grad(y, leaves + [sinks], dy))
+
+    q, k, v = leaves
+    s = torch.einsum("ihd,jhd->hij", q, kernels._expand(k, hq)) * scale
+    s = s.masked_fill(~kernels.allowed, float("-inf"))
+    p = torch.cat([s, sinks[:, None, None].expand(hq, T, 1)], -1).softmax(-1)[..., :T]
+    ref_y = torch.einsum("hij,jhd->ihd", p, kernels._expand(v, hq))
+    ref = [ref_y.detach()] + list(torch.autograd.grad(ref_y, leaves + [sinks], dy))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
+
+
+# --- the training-step suite (issue #45) and train_step.json ------------------------------------------------------
+
+TINY_QWEN3 = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256}
+STEP_ROW_KEYS = {"model", "seq_len", "batch", "packed", "attn", "linears", "compiled", "tokens_per_s", "peak_gib",
+                 "ratio_to_sdpa"}
+
+
+def test_issue45_suite_holds_every_row_the_issue_lists(tp, capsys):
+    rows = tp.plan_rows(tp.parse_args(["--suite", "issue45"]))
+    have = {(r["model"], r["seq_len"], r["batch"], r["packed"], r["attn"], r["linears"], r["compiled"]) for r in rows}
+    assert len(have) == len(rows)  # no configuration twice without --baseline-runs
+    want = set()
+    for compiled in (False, True):
+        for model in ("qwen3-0.6b", "qwen3-1.7b"):
+            for n, b in ((2048, 8), (4096, 4), (8192, 1), (16384, 1), (32768, 1)):
+                want |= {(model, n, b, False, a, "bf16", compiled) for a in ("sdpa", "deltamatch_fp8")}
+        want |= {("qwen3-0.6b", 8192, 1, True, a, "bf16", compiled) for a in ("sdpa", "deltamatch_fp8", "torch_varlen")}
+        want |= {("gptoss-attn", 8192, 1, False, a, "bf16", compiled) for a in ("torch_varlen", "deltamatch_fp8")}
+        want |= {("hybrid-1p7b", 8192, 2, True, a, "bf16", compiled) for a in ("sdpa", "deltamatch_fp8", "torch_varlen")}
+        want |= {("hybrid-1p7b", 65536, 1, True, a, "bf16", compiled) for a in ("sdpa", "deltamatch_fp8")}
+    assert want <= have
+    assert {r["ratio_base"] for r in rows if r["model"] == "gptoss-attn"} == {"torch_varlen"}
+    assert {r["ratio_base"] for r in rows if r["model"] != "gptoss-attn"} == {"sdpa"}
+    assert all(r["docs_per_row"] > 1 for r in rows if r["model"] == "qwen3-0.6b" and r["packed"])
+    assert all(r["model"].startswith("qwen3") and not r["packed"] and not r["compiled"] for r in rows[:20])
+    first_compiled = next(i for i, r in enumerate(rows) if r["compiled"])
+    extras = [i for i, r in enumerate(rows) if r["attn"] == "flex_attention" or r["model"] == "hybrid-1p7b"
+              and r["attn"] == "torch_varlen"]
+    assert first_compiled == 30 and min(extras) == 60 and len(extras) == 4  # eager, compiled, extras
+    again = tp.plan_rows(tp.parse_args(["--suite", "issue45", "--baseline-runs", "2", "--match", "qwen3-1.7b 8192x1"]))
+    assert [(r["attn"], r["run"]) for r in again if not r["compiled"]] == [("sdpa", 1), ("deltamatch_fp8", 1),
+                                                                          ("sdpa", 2)]
+    assert tp.main(["--suite", "issue45", "--list"]) == 0 and "gptoss-attn 8192x1 torch_varlen" in capsys.readouterr().out
+
+
+def test_presets_are_the_issues_shapes(tp):
+    """Parameter counts of the real Qwen3-0.6B / 1.7B (0.44 / 1.41 B without the tied embedding), gpt-oss-20b's
+    attention (64/8 heads of 64, sinks, 128-token windows on every other layer) with one 4x-wide expert."""
+    from transformers import AutoModelForCausalLM
+
+    counts = {}
+    for name in ("qwen3-0.6b", "qwen3-1.7b", "gptoss-attn"):
+        config = tp.preset_config(name)
+        assert config.use_cache is False
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        counts[name] = (sum(p.numel() for p in model.parameters()), tp.matmul_params(model))
+    assert counts["qwen3-0.6b"] == (pytest.approx(0.596e9, rel=0.01), pytest.approx(0.596e9, rel=0.01))  # tied head
+    assert counts["qwen3-1.7b"][0] - 151936 * 2048 == pytest.approx(1.41e9, rel=0.01)
+    oss = tp.preset_config("gptoss-attn")
+    assert (oss.head_dim, oss.num_attention_heads, oss.num_key_value_heads, oss.sliding_window) == (64, 64, 8, 128)
+    assert oss.layer_types == ["sliding_attention", "full_attention"] * 12
+    assert oss.num_local_experts == oss.num_experts_per_tok == 1 and oss.intermediate_size == 4 * 2880
+    assert counts["gptoss-attn"][0] == pytest.approx(4.2e9, rel=0.03)
+    assert tp.attention_windows(oss) == [128, None] * 12
+    flops = tp.step_flops(oss, 1, [[8192]], 1)["attention"]
+    assert flops == pytest.approx(12 * 64 * 64 * 12 * (8192 ** 2 / 2 + 8192 * 128 - 128 ** 2 / 2))
+
+
+def test_step_json_of_a_tiny_cpu_run(tp, tmp_path):
+    """A tiny Qwen3 (2 layers, hidden 64) through the reference path, sdpa and deltamatch_fp8, eager and compiled
+    (aot_eager: dynamo and autograd's graphs without inductor's C++ builds): train_step.json's schema, the ratios,
+    the markdown, and the same losses eager and compiled."""
+    step_json = tmp_path / "train_step.json"
+    rc = tp.main(["--settings", "qwen3-0.6b", "--shapes", "64x2", "--attn", "sdpa,deltamatch_fp8",
+                  "--compile", "eager,compiled", "--compile-backend", "aot_eager", "--override", json.dumps(TINY_QWEN3),
+                  "--device", "cpu", "--warmup", "1", "--steps", "1", "--repeats", "2", "--step-json", str(step_json)])
+    assert rc == 0
+    step = json.loads(step_json.read_text())
+    assert {"date", "gpu", "torch", "triton", "commit"} <= set(step["meta"]) and step["meta"]["gpu"] == "cpu"
+    rows = step["rows"]
+    assert len(rows) == 4 and all(STEP_ROW_KEYS <= set(r) and r["status"] == "ok" for r in rows)
+    by = {(r["attn"], r["compiled"]): r for r in rows}
+    for compiled in (False, True):
+        base, ours = by["sdpa", compiled], by["deltamatch_fp8", compiled]
+        assert base["ratio_to_sdpa"] == 1.0
+        assert ours["ratio_to_sdpa"] == pytest.approx(ours["tokens_per_s"] / base["tokens_per_s"])
+        for r in (base, ours):
+            assert (r["model"], r["seq_len"], r["batch"], r["packed"], r["linears"]) == ("qwen3-0.6b", 64, 2, False,
+                                                                                       "bf16")
+            assert len(r["windows"]) == 2 and r["tokens_per_s"] == pytest.approx(sum(r["windows"]) / 2)
+            assert r["tokens_per_s_spread"] == pytest.approx((max(r["windows"]) - min(r["windows"])) / 2)
+            assert r["peak_gib"] > 0 and r["runs"] == 1
+    runs = json.loads((tmp_path / "train_step-detail.json").read_text())["runs"]
+    losses = {(r["attn"], r["compiled"]): r["losses"] for r in runs}
+    for attn in ("sdpa", "deltamatch_fp8"):  # one init, one batch: compiling changes no loss beyond rounding
+        assert torch.allclose(torch.tensor(losses[attn, True]), torch.tensor(losses[attn, False]), rtol=1e-3)
+    md = (tmp_path / "train_step.md").read_text()
+    assert "| qwen3-0.6b | 64 × 2 | no | bf16 | yes | sdpa |" in md and "## Every row" in md
+
+
+class _FakeChild:
+    """Stands in for train_throughput's subprocess: writes a result from the spec at once. `outcome(spec)` says what
+    the run does: "ok", "oom" (the child reports it), "oom-crash" (it dies with torch's OOM message) or "fail"."""
+
+    TimeoutExpired = __import__("subprocess").TimeoutExpired
+
+    def __init__(self, outcome=lambda spec: "ok"):
+        self.outcome, self.specs = outcome, []
+
+    def run(self, cmd, **kwargs):
+        import subprocess
+
+        spec = json.loads(Path(cmd[-1]).read_text())
+        self.specs.append(spec)
+        outcome = self.outcome(spec)
+        if outcome in ("oom-crash", "fail"):
+            err = "torch.OutOfMemoryError: CUDA out of memory." if outcome == "oom-crash" else "RuntimeError: broken"
+            return subprocess.CompletedProcess(cmd, 1, "", f"Traceback (most recent call last):\n{err}")
+        speed = {"sdpa": 1000.0, "deltamatch_fp8": 1100.0}.get(spec["attn"], 1050.0) * (1 + len(self.specs) / 1e3)
+        windows = [speed * f for f in (0.99, 1.0, 1.01)[:spec["repeats"]]]
+        result = {"status": "oom", "reason": "OutOfMemoryError: CUDA out of memory"} if outcome == "oom" else {
+            "window_tokens_per_s": windows, "tokens_per_s": sum(windows) / len(windows),
+            "tokens_per_s_spread": (max(windows) - min(windows)) / 2, "peak_memory_gib": 10.0}
+        Path(spec["result"]).write_text(json.dumps(result))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+
+def _suite_rows(path):
+    return {(r["model"], r["seq_len"], r["batch"], r["packed"], r["attn"], r["compiled"]): r
+            for r in json.loads(path.read_text())["rows"]}
+
+
+def test_append_resumes_and_pools_baseline_runs(tp, tmp_path, monkeypatch):
+    """A call with --time-budget stops before a row it may not finish (the first compiled one: FIRST_ROW_S); the next
+    call with --append runs only the rest; the base's second run pools its windows into its row; a file of another
+    commit is refused."""
+    child = _FakeChild()
+    monkeypatch.setattr(tp, "subprocess", child)
+    step_json = tmp_path / "train_step.json"
+    args = ["--suite", "issue45", "--match", "qwen3-0.6b 8192x1", "--device", "cpu", "--step-json", str(step_json),
+            "--baseline-runs", "2"]
+    assert tp.main(args + ["--time-budget", "100"]) == 0
+    first = _suite_rows(step_json)
+    assert len(first) == 5 and len(child.specs) == 6  # the eager rows: sdpa, ours, sdpa again (varlen: a skip)
+    assert not any(r["compiled"] for r in first.values())
+    base = first["qwen3-0.6b", 8192, 1, False, "sdpa", False]
+    assert base["runs"] == 2 and len(base["windows"]) == 6
+    assert base["tokens_per_s"] == pytest.approx(sum(base["windows"]) / 6)
+    assert tp.main(args + ["--append"]) == 0
+    rows = _suite_rows(step_json)
+    assert len(rows) == 10 and len(child.specs) == 12 and {r["compiled"] for r in rows.values()} == {False, True}
+    assert all(r["runs"] == 2 for k, r in rows.items() if k[4] == "sdpa")
+    assert rows["qwen3-0.6b", 8192, 1, True, "torch_varlen", True]["status"] == "skipped"  # CUDA only
+    ours = rows["qwen3-0.6b", 8192, 1, False, "deltamatch_fp8", True]
+    assert ours["ratio_to_sdpa"] == pytest.approx(ours["tokens_per_s"] / rows[ours["model"], 8192, 1, False, "sdpa",
+                                                                            True]["tokens_per_s"])
+    meta = json.loads(step_json.read_text())["meta"]
+    assert [c["rows"] for c in meta["calls"]] == [7, 7]
+    assert tp.main(args + ["--append"]) == 0 and len(child.specs) == 12  # nothing left
+    step = json.loads(step_json.read_text())
+    step["meta"]["commit"] = "0000000"
+    step_json.write_text(json.dumps(step))
+    assert tp.main(args + ["--append"]) == 2
+
+
+def test_ratios_by_group_and_base(tp):
+    def row(model, attn, tps, compiled=False, linears="bf16", base="sdpa", status="ok"):
+        return {"model": model, "seq_len": 8192, "batch": 1, "packed": False, "attn": attn, "linears": linears,
+                "compiled": compiled, "tokens_per_s": tps if status == "ok" else None, "ratio_base": base,
+                "status": status}
+
+    rows = [row("m", "sdpa", 100.0), row("m", "deltamatch_fp8", 120.0), row("m", "deltamatch_fp8", 90.0, True),
+            row("m", "sdpa", 80.0, True), row("m", "deltamatch_fp8", 50.0, linears="fp8"),
+            row("g", "torch_varlen", 200.0, base="torch_varlen"), row("g", "deltamatch_fp8", 210.0, base="torch_varlen"),
+            row("g", "sdpa", None, base="torch_varlen", status="skipped")]
+    tp.add_ratios(rows)
+    assert [r["ratio_to_sdpa"] for r in rows] == [1.0, pytest.approx(1.2), pytest.approx(1.125), 1.0, None, 1.0,
+                                                  pytest.approx(1.05), None]
+
+
+def test_oom_skip_and_failure_rows(tp, tmp_path, monkeypatch):
+    """An OOM the child reports or dies of becomes an "oom" row; the same configuration at a larger shape is then a
+    skip that says so; a crash is a "failed" row with its message; the suite goes on either way."""
+    def outcome(spec):
+        if spec["attn"] == "sdpa" and spec["seq_len"] == 16384:
+            return "oom" if spec["compiled"] else "oom-crash"
+        return "fail" if spec["attn"] == "deltamatch_fp8" and spec["seq_len"] == 2048 else "ok"
+
+    child = _FakeChild(outcome)
+    monkeypatch.setattr(tp, "subprocess", child)
+    step_json = tmp_path / "train_step.json"
+    rc = tp.main(["--suite", "issue45", "--match", "qwen3-1.7b", "--device", "cpu", "--step-json", str(step_json)])
+    assert rc == 1  # a failed row
+    rows = _suite_rows(step_json)
+    assert len(rows) == 20
+    for compiled in (False, True):
+        oom = rows["qwen3-1.7b", 16384, 1, False, "sdpa", compiled]
+        assert oom["status"] == "oom" and "out of memory" in oom["reason"] and oom["tokens_per_s"] is None
+        skipped = rows["qwen3-1.7b", 32768, 1, False, "sdpa", compiled]
+        assert skipped["status"] == "skipped" and "16384 x 1" in skipped["reason"]
+        assert rows["qwen3-1.7b", 32768, 1, False, "deltamatch_fp8", compiled]["status"] == "ok"
+        assert rows["qwen3-1.7b", 32768, 1, False, "deltamatch_fp8", compiled]["ratio_to_sdpa"] is None
+        failed = rows["qwen3-1.7b", 2048, 8, False, "deltamatch_fp8", compiled]
+        assert failed["status"] == "failed" and "broken" in failed["reason"]
+    assert len(child.specs) == 18  # the two 32K sdpa rows never started
+    md = (tmp_path / "train_step.md").read_text()
+    assert "| qwen3-1.7b | 16384 × 1 | no | sdpa | bf16 | no | oom |" in md
+    n = len(child.specs)
+    assert tp.main(["--suite", "issue45", "--match", "qwen3-1.7b", "--device", "cpu", "--step-json", str(step_json),
+                    "--append", "--retry-failed"]) == 1 and len(child.specs) == n + 2  # only the failed rows again
+
+
+def test_run_one_reports_an_oom(tp, monkeypatch):
+    def boom(spec, device):
+        raise RuntimeError("inductor failed") from torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+
+    monkeypatch.setattr(tp, "_run_one", boom)
+    result = tp.run_one({"device": "cpu"})
+    assert result["status"] == "oom" and "inductor failed" in result["reason"] and result["peak_memory_gib"] > 0
+    monkeypatch.setattr(tp, "_run_one", lambda spec, device: 1 / 0)
+    result = tp.run_one({"device": "cpu"})
+    assert result["status"] == "failed" and result["reason"] == "ZeroDivisionError: division by zero"
+    assert "1 / 0" in result["traceback"]
+
+
+def test_doc_lengths_and_packed_preset_batch(tp):
+    lens = tp.doc_lengths(8192, 8, 0)
+    assert len(lens) == 8 and sum(lens) == 8192 and min(lens) >= 1 and len(set(lens)) > 1
+    assert tp.doc_lengths(8192, 8, 0) == lens and tp.doc_lengths(100, 1, 0) == [100]
+    batch, doc_lens = tp.preset_batch(64, 2, 3, 256, 0, torch.device("cpu"))
+    assert batch["input_ids"].shape == (1, 128) and doc_lens == [tp.doc_lengths(64, 3, 0)] * 2
+    assert batch["cu_seq_lens_q"].tolist() == [0, *torch.tensor(doc_lens[0] * 2).cumsum(0).tolist()]
+    batch, _ = tp.preset_batch(64, 2, 1, 256, 0, torch.device("cpu"))
+    assert batch["input_ids"].shape == (2, 64) and set(batch) == {"input_ids", "labels"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 128])
+def test_varlen_sinks_equal_eager_sinks_on_the_gpu(varlen, window):
+    """gpt-oss's attention shape (D=64, GQA 8:1, sinks; full and a 128-token window) through torch_varlen's
+    FlashAttention-2 + exact sinks, a packed row of three documents: out and the q, k, v, sink gradients against
+    float32 eager attention with a sink column (bf16 kernels: 2e-2 relative)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lens = [700, 129, 1219]
+    S, Hq, Hkv, D = sum(lens), 16, 2, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h: torch.randn(1, h, S, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    q, k, v, do = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+    sinks = torch.randn(Hq, device="cuda", generator=g) + 2.0
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lens])[None]
+    module = torch.nn.Module()
+    module.is_causal = True
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+        out = fn(*leaves)
+        out.backward(do.transpose(1, 2).to(out.dtype))
+        return [out.detach().float()] + [t.grad.float() for t in leaves]
+
+    def eager(q_, k_, v_, s_):
+        doc = torch.repeat_interleave(torch.arange(len(lens), device="cuda"), torch.tensor(lens, device="cuda"))
+        i, j = torch.arange(S, device="cuda")[:, None], torch.arange(S, device="cuda")[None, :]
+        allowed = (doc[:, None] == doc[None, :]) & (j <= i) & ((i - j < window) if window else True)
+        kk, vv = (t.float().repeat_interleave(Hq // Hkv, 1) for t in (k_, v_))
+        scores = (q_.float() @ kk.transpose(-1, -2) * D ** -0.5).masked_fill(~allowed, float("-inf"))
+        p = torch.cat([scores, s_[None, :, None, None].expand(1, Hq, S, 1)], -1).softmax(-1)[..., :S]
+        return (p @ vv).transpose(1, 2)
+
+    ref = grads(eager)
+    got = grads(lambda q_, k_, v_, s_: varlen.varlen_attention_forward(
+        module, q_, k_, v_, None, scaling=D ** -0.5, sliding_window=window, s_aux=s_, position_ids=pos)[0])
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, ref):
+        assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()).item() < 2e-2, (name, window)

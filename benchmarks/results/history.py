@@ -8,12 +8,16 @@ Reads what the benchmarks write:
 - `benchmarks/attention.py`: its JSON, or its markdown report where no JSON was kept (the report is also what the
   script prints, so a log of a run holds it). Rows: every op's fwd+bwd ms per shape (`fwdbwd_ms`), and with
   `--cuda-graph` the graph replay's (`graph_fwdbwd_ms`).
-- `benchmarks/train_throughput.py`: its JSON. Rows: tokens/s per configuration (`tokens_per_s`).
+- `benchmarks/train_throughput.py`: its JSON. Rows: tokens/s per configuration (`tokens_per_s`). From a suite's
+  `train_step.json` (issue #45's schema) also the peak memory (`peak_gib`), per model, N x batch (and "packed") and
+  implementation (attention, linears, eager or compiled); its `-detail.json` repeats those runs and is not read.
 
 `ratio` is the row's value over its baseline's, the same metric in the same run (files given in one call are one
 run): for ms a time ratio (< 1 = faster), for tokens/s a throughput ratio (> 1 = faster). The baseline is SDPA
 cuDNN BF16 (attention.py's ratio base) where it ran on that shape, else Flex (windows); for a training step, `sdpa`
-with bf16 linears and eager norms, else `torch_varlen` (FlashAttention-2 varlen). `baseline` names it.
+with bf16 linears and eager norms, else `torch_varlen` (FlashAttention-2 varlen); in a train_step.json, each row's
+`ratio_base` of the same model, shape, packing, linears and compilation (for peak_gib the ratio is of memory, < 1 =
+less). `baseline` names it.
 `commit` is the one the result file records, `+dirty` where the tree had uncommitted changes. Rows already in the CSV
 (same date, GPU, preset or model, implementation and metric: the same run read from another copy) are not added
 again, and a markdown report of a run whose JSON was read is skipped.
@@ -137,6 +141,34 @@ def train_runs(report: dict) -> tuple[dict, list[dict]]:
     return run, out
 
 
+def step_rows(report: dict, source: str) -> list[dict]:
+    """Rows of a train_step.json ({"meta", "rows"}: train_throughput.py --suite or --step-json)."""
+    meta = report.get("meta", {})
+    commit = str(meta.get("commit") or "")
+    run = {"date": _date(meta.get("date", "")), "gpu": meta.get("gpu", ""), "torch": meta.get("torch", ""),
+           "triton": meta.get("triton", ""), "source": source,
+           "commit": commit[:7] + ("+dirty" if commit.endswith("+dirty") else "")}
+    ok = [r for r in report.get("rows", []) if r.get("status", "ok") == "ok"
+          and isinstance(r.get("tokens_per_s"), (int, float))]
+
+    def shape(r):
+        return f"{r['model']} {r['seq_len']}x{r['batch']}" + (" packed" if r.get("packed") else "")
+
+    def impl(r):
+        return f"{r['attn']}, {r['linears']} linears, {'compiled' if r.get('compiled') else 'eager'}"
+
+    rows = []
+    for r in ok:
+        base = next((b for b in ok if shape(b) == shape(r) and b["linears"] == r["linears"]
+                     and bool(b.get("compiled")) == bool(r.get("compiled"))
+                     and b["attn"] == r.get("ratio_base", "sdpa")), None)
+        for metric in ("tokens_per_s", "peak_gib"):
+            if isinstance(r.get(metric), (int, float)):
+                rows.append(_row(run, shape(r), impl(r), metric, r[metric],
+                                 _ratio(r[metric], base.get(metric) if base else None), impl(base) if base else ""))
+    return rows
+
+
 def _train_impl(r: dict) -> str:
     return f"{r['attn']}, {r['linears']} linears" + (", fused norms" if r["norms"] == "fused" else "")
 
@@ -160,12 +192,16 @@ def train_rows(runs: list[tuple[dict, dict, str]]) -> list[dict]:
 def rows_of_run(paths: list[Path], root: Path, seen_dates: set[str]) -> list[dict]:
     """Rows of the result files of one run. Markdown reports of a run whose JSON is among them (or was read
     before: `seen_dates`) are skipped."""
-    attention, train, markdown = [], [], []
+    attention, train, markdown, steps = [], [], [], []
     for path in paths:
         source = str(path.resolve().relative_to(root)) if path.resolve().is_relative_to(root) else str(path)
         if path.suffix == ".json":
             report = json.loads(path.read_text())
-            if "shapes" in report:
+            if report.get("meta", {}).get("step_json"):
+                continue  # a train_step.json's -detail.json: its runs are that file's rows
+            if isinstance(report.get("rows"), list):
+                steps += step_rows(report, source)
+            elif "shapes" in report:
                 run, cells = attention_json(report)
                 attention.append((run, cells, source))
                 seen_dates.add(run["date"])
@@ -185,7 +221,7 @@ def rows_of_run(paths: list[Path], root: Path, seen_dates: set[str]) -> list[dic
     rows = []
     for run, cells, source in attention:
         rows += attention_rows(run, cells, source)
-    return rows + train_rows(train)
+    return rows + train_rows(train) + steps
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -225,10 +261,14 @@ def seed_runs(root: Path) -> list[list[Path]]:
                 report = json.loads(text)
             except json.JSONDecodeError:
                 continue
-            if not isinstance(report, dict) or not (
-                    "shapes" in report or ("runs" in report and "environment" in report)):
+            if not isinstance(report, dict) or report.get("meta", {}).get("step_json") or not (
+                    "shapes" in report or ("runs" in report and "environment" in report)
+                    or isinstance(report.get("rows"), list)):
                 continue
-            date, commit = _date(report["meta"].get("date", "")), _commit(report["environment"])
+            if isinstance(report.get("rows"), list):  # a train_step.json
+                date, commit = _date(report["meta"].get("date", "")), str(report["meta"].get("commit"))[:7]
+            else:
+                date, commit = _date(report["meta"].get("date", "")), _commit(report["environment"])
         elif "# Attention benchmark" in text:
             run, _ = attention_markdown(text)
             date, commit = run["date"], run["commit"]
