@@ -20,7 +20,8 @@ Results go to <out>/attention-<date>-<gpu>.json and .md; the markdown is printed
   python benchmarks/attention.py --quick --qk-transforms --ops dm-fp8-matching,sdpa-cudnn
                                                  # + the cost of qk_rotation / smooth_k vs dm-fp8-matching
   python benchmarks/attention.py --shapes window4096,window128 --ops dm-fp8-matching,flex \
-      [--tune "{'hopper_window': False}"]       # sliding windows: the Gluon kernels, or the Triton ones
+      [--tune "{'fwd_kernel': 'triton', 'dq_kernel': 'triton', 'dkdv_kernel': 'triton'}"]
+                                                 # sliding windows: the Gluon kernels, or (pinned) the Triton ones
 
 Conventions (those of docs/baselines.md): FLOPs fwd = 4*B*Hq*N^2*D (halved for causal; with a sliding window of W keys
 4*B*Hq*D times the (query, key) pairs it shows, W*N - W*(W-1)/2), bwd = 2.5x, fwd+bwd = 3.5x;
@@ -96,15 +97,14 @@ PRESETS = {
     "gqa": Shape("gqa", 2, 16, 4, 8192, 128, True),
     "n65536c": Shape("n65536c", 1, 16, 16, 65536, 128, True),
     "gptoss": Shape("gptoss", 2, 32, 4, 8192, 64, True),  # gpt-oss's head dim and 8:1 GQA (with --sinks)
-    # N not a multiple of 128 (issue #32): the Gluon kernels' padded path (launch.HOPPER_RAGGED); B*N = 16000
+    # N not a multiple of 128 (issue #32): the Gluon kernels' padded path; B*N = 16000
     "ragged": Shape("ragged", 2, 16, 16, 8000, 128, True),
-    # sliding windows (issue #32): Mistral's 4096 and gpt-oss's 128 at 8K; the Gluon kernels (launch.HOPPER_WINDOW),
-    # the Triton kernels with --tune "{'hopper_window': False}"
+    # sliding windows (issue #32): Mistral's 4096 and gpt-oss's 128 at 8K; the Gluon kernels, the Triton ones with
+    # --tune pinning them (the module docstring)
     "window4096": Shape("window4096", 2, 16, 16, 8192, 128, True, 4096),
     "window128": Shape("window128", 2, 16, 16, 8192, 128, True, 128),
     # head dim 256 (Gemma 3, Qwen3-Next) and MLA's Dqk=192 / Dv=128 (DeepSeek-V3, Kimi Linear): the Gluon forward,
-    # dQ and dK/dV (launch.HOPPER_FWD_WIDE, HOPPER_DQ_WIDE, HOPPER_DKDV_WIDE; the Triton ones with --tune
-    # "{'hopper_fwd_wide': False, 'hopper_dq_wide': False, 'hopper_dkdv_wide': False}")
+    # dQ and dK/dV (kernels.configs.GLUON_WIDE_DIMS; the Triton ones with --tune pinning them)
     "d256": Shape("d256", 2, 8, 8, 8192, 256, True),
     "mla": Shape("mla", 2, 16, 16, 8192, 192, True, Dv=128),
 }
@@ -823,8 +823,8 @@ def summary_md(report) -> list[str]:
             cells.append(f"{ms:.3f} ({flops / (ms * 1e-3) / 1e12:.0f})" if _finite(ms) else "—")
         lines.append(f"| {s['name']}: {s['label']} | " + " | ".join(cells) + " |")
     if anchor_cols:
-        lines += ["", "FA4 est. / cuDNN FP8 est.: docs/baselines.md's times for kernels this run cannot load, scaled by "
-                      "(this run's SDPA cuDNN / docs/baselines.md's SDPA cuDNN)."]
+        lines += ["", "FA4 est. / cuDNN FP8 est.: docs/baselines.md's times for kernels this run cannot load, scaled "
+                      "by (this run's SDPA cuDNN / docs/baselines.md's SDPA cuDNN)."]
     return lines + [""]
 
 
@@ -872,7 +872,8 @@ def graph_md(report) -> list[str]:
              "| shape | op | eager fwd+bwd | graphed fwd+bwd | graphed / graphed base |", "|---|---|---|---|---|"]
     for s, o, res in rows:
         if "graph_error" in res:
-            lines.append(f"| {s['name']} | {o} | {res['fwdbwd_ms']:.3f} | capture failed: {res['graph_error'][:80]} | |")
+            lines.append(f"| {s['name']} | {o} | {res['fwdbwd_ms']:.3f} | "
+                         f"capture failed: {res['graph_error'][:80]} | |")
             continue
         times = {o_: r["graph_fwdbwd_ms"] for s_, o_, r in rows if s_ is s and "graph_fwdbwd_ms" in r}
         ref = times.get(base) or next((t for o_, t in times.items() if o_ not in DM_OPS), None)
@@ -945,8 +946,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="list the presets and exit")
     p.add_argument("--tune", default="{}",
-                   help="a hf_deltamatch.kernels.TUNE dict for the whole run, e.g. \"{'hopper_window': False}\" (the "
-                        "Triton kernels on sliding windows, launch.HOPPER_WINDOW); recorded in the report")
+                   help="plan pins and kernels.TUNE launch shapes for the whole run "
+                        "(hf_deltamatch.kernels.plan.variant), e.g. "
+                        "\"{'fwd_kernel': 'triton', 'dq_kernel': 'triton', 'dkdv_kernel': 'triton'}\" (the Triton "
+                        "kernels); recorded in the report")
     return p.parse_args(argv)
 
 
@@ -988,9 +991,8 @@ def main(argv=None) -> int:
     args.ratio_base = DRY_RUN_BASE if args.dry_run else "sdpa-cudnn"
     tune = ast.literal_eval(args.tune)
     if tune:
-        from hf_deltamatch import kernels as hk
-        hk.TUNE.update(tune)
-        hk.launch._check_tune()
+        from hf_deltamatch.kernels import plan
+        plan.variant(tune).__enter__()  # for the whole run (a fresh process)
     args.cuda_broken = None  # set once a sticky CUDA error makes every later measurement meaningless
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -1011,8 +1013,9 @@ def main(argv=None) -> int:
             "ops_doc": "dm-* = hf_deltamatch.deltamatch_attention (backend=%s): fp8-matching, fp8-stale "
                        "(FlashAttention's delta = rowsum(dO*O)), bf16 (same algorithm, no quantization, matching "
                        "delta), fp8-sinks (fp8-matching with learnable sinks, errors against exact attention "
-                       "with the same sinks), fp8 +hadamard/+smooth_k/+both (fp8-matching with qk_rotation='hadamard' / "
-                       "smooth_k=True / both; in parentheses their fwd+bwd time over fp8-matching's); SDPA "
+                       "with the same sinks), fp8 +hadamard/+smooth_k/+both (fp8-matching with "
+                       "qk_rotation='hadamard' / smooth_k=True / both; in parentheses their fwd+bwd time over "
+                       "fp8-matching's); SDPA "
                        "flash/cuDNN pinned with sdpa_kernel; Flex = torch.compile(flex_attention, dynamic=False) "
                        "with a causal block mask built outside timing" % args.backend,
             "timing": ("triton.testing.do_bench median, L2 flushed before every run (its default), warm-up %g ms, "

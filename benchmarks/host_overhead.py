@@ -29,12 +29,12 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from hf_deltamatch import kernels as K  # noqa: E402
 from hf_deltamatch import deltamatch_attention  # noqa: E402
+from hf_deltamatch import kernels as K  # noqa: E402
 from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
 
-PATHS = {"triton": dict(fwd_hopper=False, dq_hopper=False, dkdv_hopper=False),
-         "gluon": dict(fwd_hopper=True, dq_hopper=True, dkdv_hopper=True)}
+PATHS = {"triton": dict(fwd_kernel="triton", dq_kernel="triton", dkdv_kernel="triton"),
+         "gluon": dict(fwd_kernel="gluon", dq_kernel="gluon", dkdv_kernel="gluon")}
 
 
 def host_ms(fn, n=200):
@@ -94,8 +94,8 @@ def op_section(q, k, v, do, res, text, profile):
     def engine_floor():
         torch.autograd.grad(_Identity.apply(qg), (qg, ), do)
 
-    K.TUNE.clear()
-    K.TUNE.update(PATHS["gluon"])
+    pins = K.pinned(**PATHS["gluon"])
+    pins.__enter__()
     res["op_fwd_bwd_ms"] = host_ms(step)
     res["op_fwd_nograd_ms"] = host_ms(fwd)
     res["op_fwd_grad_ms"] = host_ms(fwd_graph)
@@ -140,7 +140,7 @@ def op_section(q, k, v, do, res, text, profile):
             torch.cuda.synchronize()
         text.append("--- op fwd+bwd: torch.profiler of 20 calls, by self CPU time\n"
                     + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
-    K.TUNE.clear()
+    pins.__exit__(None, None, None)
 
 
 def main():
@@ -156,8 +156,8 @@ def main():
               config=DeltaMatchConfig())
     res, text = {}, []
     for name, tune in PATHS.items():
-        K.TUNE.clear()
-        K.TUNE.update(tune)
+        pins = K.pinned(**tune)
+        pins.__enter__()
         f = K.forward(q, k, v, **kw)
         fwd = lambda: K.forward(q, k, v, **kw)  # noqa: E731
         bwd = lambda: K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)  # noqa: E731
@@ -167,7 +167,7 @@ def main():
         if args.profile:
             for part, fn in (("forward", fwd), ("backward", bwd)):
                 text.append(f"--- {name} {part}: cProfile of 50 calls\n" + _profile(fn, 50, "cumulative", 18))
-    K.TUNE.clear()
+        pins.__exit__(None, None, None)
     if args.op:
         res["op"] = {}
         op_section(q, k, v, do, res["op"], text, args.profile)

@@ -28,6 +28,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from hf_deltamatch import kernels as K  # noqa: E402
 from hf_deltamatch.config import DeltaMatchConfig  # noqa: E402
+from hf_deltamatch.kernels import plan  # noqa: E402
 
 SHAPES = {
     "d128-causal": (2, 16, 16, 8192, 128, True),
@@ -38,8 +39,8 @@ SHAPES = {
     "d256-causal": (2, 8, 8, 8192, 256, True),
     # MLA (DeepSeek-V3, Kimi Linear): Dqk = 192, Dv = 128, given as (Dqk, Dv)
     "mla-causal": (2, 16, 16, 8192, (192, 128), True),
-    # N not a multiple of 128 (issue #32): the Gluon kernels' padded path (launch.HOPPER_RAGGED; the Triton kernels
-    # with --variants "{'hopper_ragged': False}")
+    # N not a multiple of 128: the Gluon kernels' padded path (the Triton kernels with --variants
+    # "{'fwd_kernel': 'triton', 'dq_kernel': 'triton', 'dkdv_kernel': 'triton'}")
     "ragged-d128": (2, 16, 16, 8000, 128, True),
     # packed batches (varlen, B = 1, causal within each document): 32768 tokens, as four 8K training rows that
     # DataCollatorWithFlattening flattened into one, documents of PACKED_DOCS' seeded lengths
@@ -48,7 +49,8 @@ SHAPES = {
     "packed-d64": (1, 32, 32, 32768, 64, True),
     # causal sliding windows (a 7th field, the window): variant shapes only (no SDPA baseline has a window; the
     # window presets of attention.py time Flex), e.g. --variant-shapes window128-d128 --variants
-    # "{};{'hopper_window': False}": which kernel the small window's time goes to, Gluon or Triton
+    # "{};{'fwd_kernel': 'triton', 'dq_kernel': 'triton', 'dkdv_kernel': 'triton'}": which kernel the small
+    # window's time goes to, Gluon or Triton
     "window128-d128": (2, 16, 16, 8192, 128, True, 128),
     "window512-d128": (2, 16, 16, 8192, 128, True, 512),
     "window1024-d128": (2, 16, 16, 8192, 128, True, 1024),
@@ -211,7 +213,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--variants", default="", help="semicolon-separated kernels.TUNE dicts to try on --variant-shapes; "
+    p.add_argument("--variants", default="", help="semicolon-separated dicts of plan pins and kernels.TUNE launch "
+                   "shapes (hf_deltamatch.kernels.plan.variant) to try on --variant-shapes; "
                    "'SHAPE=DICT' tries DICT on SHAPE only")
     p.add_argument("--variant-shapes", default="d128-causal")
     p.add_argument("--variants-fwd-only", action="store_true", help="time only the forward of the variants")
@@ -261,10 +264,9 @@ def main():
         shape_, _, dict_ = v_.partition("=") if "=" in v_.split("{")[0] else ("", "", v_)
         todo += [(dict_, s_) for s_ in (shape_.split(",") if shape_ else args.variant_shapes.split(","))]
     for var, vshape in todo:
-        K.TUNE.clear()
-        K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
         try:
-            r = run_shape(vshape, *shape_of(vshape), fwd_only=args.variants_fwd_only)
+            with plan.variant(eval(var)):  # noqa: S307  (our own command line)
+                r = run_shape(vshape, *shape_of(vshape), fwd_only=args.variants_fwd_only)
             r["op"], r["tune"] = "dm-fp8-matching", var
             rows.append(r)
             kb = {k_[:14]: round(v_, 3) for k_, v_ in r["bwd_kernels"].items() if "_bwd" in k_}
@@ -272,7 +274,6 @@ def main():
             lines.append(f"variant {vshape} {var}: fwd {r['fwd_ms']:.3f} bwd {r['bwd_ms']:.3f} {kf} {kb}")
         except Exception as e:  # a config that does not compile (smem) is a result too
             lines.append(f"variant {vshape} {var}: FAILED {type(e).__name__}: {str(e)[:120]}")
-        K.TUNE.clear()
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(date=now.strftime("%Y-%m-%dT%H:%M:%SZ"),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -5,14 +5,14 @@
   python benchmarks/launch_trace.py --check FILE     # exit 1, with the differences, if today's differ
 
 For each case of `cases()` (the inputs of sm90_registers.py --hash: D 64/128/256 and MLA, causal, full and windowed
-masks, GQA, dense N = 8192 and ragged N = 8000, packed and other varlen batches, fp8 and bf16, e5m2, block 64,
-matching and stale delta), ops.forward then ops.backward run on CPU stand-ins with the Gluon kernels' conditions (an
-sm_90 device, Triton 3.6) answered as on the H200, and each JIT launch is caught before it reaches a device: the
-kernel, the hash of its source and of the functions it calls (Triton's cache key), its grid, warps, stages and
-constexprs, and every other argument's dtype, shape and strides (or value). Two trees whose lines agree launch the
-same compiled kernels on the same data layouts, so a refactor of the host code that keeps them equal needs no new
-GPU run: tests/test_launch_trace.py holds today's launches to tests/gpu_tested_launches.txt, the record of the tree
-whose GPU tests last passed on the H200.
+masks, GQA, dense N = 8192 and ragged N = 8000, packed and other varlen batches, fp8 and bf16, e5m2, block 64, matching
+and stale delta), ops.forward then ops.backward run on CPU stand-ins with the Gluon kernels' conditions (an sm_90
+device, Triton 3.6) answered as on the H200, and each JIT launch is caught before it reaches a device: the kernel, a
+hash of its code and of the JIT functions it calls (comments and line numbers aside), its grid, warps, stages and
+constexprs, and every other argument's dtype, shape and strides (or value). Two trees whose lines agree launch the same
+compiled kernels on the same data layouts, so a refactor of the host code that keeps them equal needs no new GPU run:
+tests/test_launch_trace.py holds today's launches to tests/gpu_tested_launches.txt, the record of the tree whose GPU
+tests last passed on the H200.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 
 def cases() -> dict:
-    """{name: input} (sm90_registers.default_cases' shapes, with the default plan: no tuning overrides)."""
+    """{name: input}: every default plan's inputs (no pins, no tuning overrides)."""
     out = {}
     for d in (64, 128):
         for causal in (True, False):
@@ -77,32 +77,73 @@ def cases() -> dict:
 def _as_on_the_h200():
     """Gluon's conditions answered as on the H200 (sm_90, Triton 3.6.0, CUDA 12.8's ptxas), and every JIT launch
     recorded into the yielded list instead of run."""
-    from hf_deltamatch.kernels import launch as KL
+    import importlib
 
     launches = []
 
     def run(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, grid, kwargs))
 
-    saved = (JITFunction.run, torch.cuda.get_device_capability, triton.__version__, KL._sm90_ptxas_major)
+    saved_run, saved_cap, saved_version = JITFunction.run, torch.cuda.get_device_capability, triton.__version__
     JITFunction.run = run
     torch.cuda.get_device_capability = lambda *a: (9, 0)
     triton.__version__ = "3.6.0"
-    KL._sm90_ptxas_major = lambda: 12
-    hopper_case = getattr(KL, "_hopper_case", None)
-    if hopper_case is not None:  # the launch code decides per call, on the tensors' (CPU) device
+    undo = []
+    try:
+        KL = importlib.import_module("hf_deltamatch.kernels.launch")  # the trees before plan.py
+    except ImportError:
+        KL = None
+    if KL is not None:
+        ptxas, hopper_case = KL._sm90_ptxas_major, KL._hopper_case
+        KL._sm90_ptxas_major = lambda: 12
         KL._hopper_case = lambda **kw: hopper_case(**{**kw, "device": torch.device("cuda")})
-    plan = sys.modules.get("hf_deltamatch.kernels.plan")
-    if plan is not None and hasattr(plan, "SIMULATE_SM90"):
+        undo.append(lambda: (setattr(KL, "_sm90_ptxas_major", ptxas), setattr(KL, "_hopper_case", hopper_case)))
+    else:
+        from hf_deltamatch.kernels import plan, toolchain
+
+        ptxas, current = toolchain.sm90_ptxas_major, toolchain.current
+        toolchain.sm90_ptxas_major = lambda: 12
+        toolchain.current = lambda: toolchain._toolchain("3.6.0", "")
         plan.SIMULATE_SM90 = True
+        plan.select.cache_clear()
+        undo.append(lambda: (setattr(toolchain, "sm90_ptxas_major", ptxas), setattr(toolchain, "current", current),
+                             setattr(plan, "SIMULATE_SM90", False), plan.select.cache_clear()))
     try:
         yield launches
     finally:
-        JITFunction.run, torch.cuda.get_device_capability, triton.__version__, KL._sm90_ptxas_major = saved
-        if hopper_case is not None:
-            KL._hopper_case = hopper_case
-        if plan is not None and hasattr(plan, "SIMULATE_SM90"):
-            plan.SIMULATE_SM90 = False
+        JITFunction.run, torch.cuda.get_device_capability, triton.__version__ = saved_run, saved_cap, saved_version
+        for u in undo:
+            u()
+
+
+def _code_key(fn, seen=None) -> str:
+    """A hash of a JIT function's code and of every JIT function it calls, without comments, docstrings, the
+    messages of static asserts or line numbers (Triton's own cache key counts the line a function starts at, which
+    moves with any edit above it)."""
+    import ast
+    import hashlib
+    import textwrap
+
+    seen = {} if seen is None else seen
+    if fn in seen:
+        return seen[fn]
+    seen[fn] = "recursion"
+    tree = ast.parse(textwrap.dedent(fn.src))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "static_assert":
+            node.args, node.keywords = node.args[:1], []  # its message
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    parts = [ast.dump(tree)]
+    for name in sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+                       | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}):
+        dep = fn.__globals__.get(name)
+        if dep is not None and hasattr(dep, "src") and dep is not fn:
+            parts.append(name + ":" + _code_key(dep, seen))
+    seen[fn] = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return seen[fn]
 
 
 def _arg(x) -> str:
@@ -115,8 +156,9 @@ def _arg(x) -> str:
     return repr(x)
 
 
-def trace(case: dict) -> list[str]:
-    """One line per launch of ops.forward then ops.backward for `case` (cases())."""
+def record(case: dict) -> list[tuple]:
+    """[(kernel, constexprs, launch options, grid, other arguments)] of ops.forward then ops.backward for `case`
+    (cases(); its "pins", if any: plan.variant's settings)."""
     from hf_deltamatch import outliers
     from hf_deltamatch.config import DeltaMatchConfig
     from hf_deltamatch.kernels import ops as KO
@@ -140,19 +182,33 @@ def trace(case: dict) -> list[str]:
         r_q, r_k, means, _ = outliers.fused_args(q, k, case.get("qk_rotation", "none"), case.get("smooth_k", False),
                                                  cu)
         extra = dict(qk_transform=(r_q, r_k, means))
-    with _as_on_the_h200() as launches:
+    pins = contextlib.nullcontext()
+    if case.get("pins"):
+        from hf_deltamatch.kernels import plan
+
+        pins = plan.variant(case["pins"])
+    with _as_on_the_h200() as launches, pins:
         out, lse, q8, k8, v8, sq, sk, sv = KO.forward(q, k, v, **kw, **extra)
         KO.backward(torch.zeros_like(out), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, **kw)
-    lines = []
+    out = []
     for fn, args, grid, kwargs in launches:
-        grid = grid if isinstance(grid, tuple) else "callable"
         opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg", "num_ctas") if k in kwargs}
         named = dict(zip(fn.arg_names, args))
         named.update(kwargs)
         constexprs = {a: named[a] for a in fn.arg_names if fn.params[fn.arg_names.index(a)].is_constexpr}
-        rest = {a: _arg(v) for a, v in named.items() if a not in constexprs}
-        lines.append(f"{fn.__name__} key={fn.cache_key[:16]} grid={grid} {dict(sorted(opts.items()))} "
-                     f"constexprs={dict(sorted(constexprs.items()))} args={rest}")
+        rest = {a: v for a, v in named.items() if a not in constexprs}
+        out.append((fn, constexprs, opts, grid, rest))
+    return out
+
+
+def trace(case: dict) -> list[str]:
+    """One line per launch of ops.forward then ops.backward for `case` (cases())."""
+    lines = []
+    for fn, constexprs, opts, grid, rest in record(case):
+        grid = grid if isinstance(grid, tuple) else "callable"
+        lines.append(f"{fn.__name__} code={_code_key(fn)} grid={grid} {dict(sorted(opts.items()))} "
+                     f"constexprs={dict(sorted(constexprs.items()))} "
+                     f"args={ {a: _arg(v) for a, v in rest.items()} }")
     return lines
 
 
@@ -164,6 +220,16 @@ def trace_all() -> list[str]:
     return lines
 
 
+def _tree() -> str:
+    """This checkout's commit, and whether the package differs from it."""
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short=7", "HEAD") or "an unknown tree"
+    return head + (" with local changes" if git("status", "--porcelain", "hf_deltamatch") else "")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group(required=True)
@@ -172,7 +238,8 @@ def main():
     args = p.parse_args()
     lines = trace_all()
     if args.write:
-        Path(args.write).write_text(f"# triton {triton.__version__}\n" + "\n".join(lines) + "\n")
+        Path(args.write).write_text(f"# the launches of {_tree()}, recorded with triton {triton.__version__}\n"
+                                    + "\n".join(lines) + "\n")
         return
     recorded = Path(args.check).read_text().splitlines()[1:]
     diff = list(difflib.unified_diff(recorded, lines, "recorded", "today", lineterm="", n=1))

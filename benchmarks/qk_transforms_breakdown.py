@@ -8,10 +8,10 @@ torch.profiler, and the fwd+bwd totals from triton.testing.do_bench (median, L2 
                                                              # launch configs (kernels.TUNE) compared in one call
   python benchmarks/qk_transforms_breakdown.py --dry-run     # CPU (Triton interpreter), tiny shape: the code path
 
---variants: semicolon-separated kernels.TUNE dicts ("{}": launch.py's defaults); each times every config, its own
-fp8-matching base included, and --rounds alternates them (A, B, A, B) so that drift shows as round-to-round spread.
-The rotation's quantization pass: TUNE "quantize_rotate" = (tiles per program, warps, stages); (1, 8, 1) launches it
-one tile per program.
+--variants: semicolon-separated dicts of plan pins and kernels.TUNE launch shapes ("{}": the defaults); each times every
+config, its own fp8-matching base included, and --rounds alternates them (A, B, A, B) so that drift shows as
+round-to-round spread. The rotation's quantization pass: TUNE "quantize_rotate" = (tiles per program, warps, stages);
+(1, 8, 1) launches it one tile per program.
 
 benchmarks/attention.py --qk-transforms is the cost figure of record; this script names the kernels behind it.
 """
@@ -41,7 +41,8 @@ def main(argv=None):
     p.add_argument("--shape", default="B2-H16-KV16-N8192-D128", help="causal self-attention, bf16 inputs")
     p.add_argument("--top", type=int, default=12, help="kernels listed per config")
     p.add_argument("--variants", default="{}",
-                   help="semicolon-separated kernels.TUNE dicts, each timed on every config")
+                   help="semicolon-separated dicts of plan pins and kernels.TUNE launch shapes, each timed on every "
+                        "config")
     p.add_argument("--rounds", type=int, default=1, help="times the variants alternate")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, B1-H2-KV1-N128-D64; no timings")
     args = p.parse_args(argv)
@@ -52,7 +53,7 @@ def main(argv=None):
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     import torch
 
-    from hf_deltamatch import kernels as K
+    from hf_deltamatch.kernels.plan import variant
 
     if not args.dry_run and not torch.cuda.is_available():
         print("error: no CUDA device; on a CPU machine run with --dry-run (code path only)", file=sys.stderr)
@@ -67,12 +68,8 @@ def main(argv=None):
     runs = []  # (round, variant, {config: (total ms or None, {kernel: ms})})
     for rnd in range(args.rounds):
         for var in variants:
-            K.TUNE.clear()
-            K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
-            try:
+            with variant(eval(var)):  # noqa: S307  (our own command line)
                 runs.append((rnd, var, time_configs(q, k, v, do, args.dry_run)))
-            finally:
-                K.TUNE.clear()
     if args.dry_run:
         return 0
     for rnd, var, results in runs:

@@ -11,16 +11,15 @@ config that spills hundreds of bytes per thread ran 2-3x slower on the H200 (doc
 and stride arguments are marked divisible by 16, as the launcher does for our tensors; without it loads
 compile to byte accesses and nothing pipelines.
 
---hash FILE records, for every default path of the package (Triton and Gluon forward, dQ and dK/dV; D 64, 128,
-256 and MLA's 192/128; causal, full and windowed masks; GQA; dense N = 8192 (the Gluon kernels' case) and
-N = 8000 (ragged: their padded variant); packed and other varlen batches; fp8 and bf16 precision; e5m2 gradients; block 64;
-matching and stale delta), and after them the options behind TUNE keys, off by default: the Gluon forward at D=256
-and 192/128 (cases named *-fwd-wide) and the Gluon kernels' sliding-window variants (*-gluon-window-*), the kernels
-ops.forward and ops.backward launch and a hash of each one's sm_90 SASS, one line per (case, kernel): a refactor of
-the kernels or launch.py that leaves every default alone leaves the hashes unchanged (compare the first six columns,
-`cut -d' ' -f1-6`; the constexprs after them name the kernels' options). The launches are recorded from ops.py
-itself (no kernel runs: every launch is caught before it
-reaches a GPU), with the Gluon kernels' conditions (an sm_90 device, Triton 3.6) answered as on the H200.
+--hash FILE records, for every default plan of the package (launch_trace.cases(): Triton and Gluon forward, dQ and
+dK/dV; D 64, 128, 256 and MLA's 192/128; causal, full and windowed masks; GQA; dense N = 8192 and N = 8000 (ragged:
+the Gluon kernels' padded variant); packed and other varlen batches; fp8 and bf16; e5m2 gradients; block 64;
+matching and stale delta), and after them the Triton kernels pinned where the Gluon ones are the default (cases named
+*-triton*), the kernels ops.forward and ops.backward launch and a hash of each one's sm_90 SASS, one line per (case,
+kernel): a refactor of the kernels or of plan.py that leaves every default alone leaves the hashes unchanged (compare
+the first six columns, `cut -d' ' -f1-6`; the constexprs after them name the kernels' options). The launches are
+recorded from ops.py itself (launch_trace.record: no kernel runs), with the Gluon kernels' conditions (an sm_90
+device, Triton 3.6) answered as on the H200.
 
 --loops adds, per innermost loop of the SASS (a backward branch's body: about one per key- or query-tile range,
 though ptxas may lay a masked loop out as two overlapping ones), the instructions one warp issues per iteration
@@ -31,7 +30,7 @@ or the MUFU (docs/kernels.md), so this count is the figure to lower.
 its S^T and dP^T MMAs to the operands of its dV and dK MMAs (mma_operands) and checks them (check_dkdv_operands):
 dV's from S^T alone (P8), dK's from S^T and dP^T (dS8) or, with the pipelined dK MMA, from neither (the previous
 tile's dS8). ptxas of CUDA 13 fails this check on the pipelined variant (docs/kernels.md); --dkdv-pipe on compiles
-that variant (dkdv_hopper.pipe_mode 1) whatever launch.py would choose, --dkdv-pipe fresh the one with a fresh dP^T
+that variant (dkdv_hopper.pipe_mode 1) whatever the plan would choose, --dkdv-pipe fresh the one with a fresh dP^T
 accumulator (2), --dkdv-pipe off neither.
 """
 
@@ -46,8 +45,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from hf_deltamatch import kernels as K
-from hf_deltamatch.kernels import launch as KL, ops as KO
+from hf_deltamatch.kernels import configs as C
+from hf_deltamatch.kernels import ops as KO
+from hf_deltamatch.kernels import plan, toolchain
 from hf_deltamatch.kernels.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from hf_deltamatch.kernels.forward import _fwd_kernel
 from hf_deltamatch.kernels.quantize import _quantize_kernel
@@ -197,7 +197,7 @@ def usage(fn, constexprs, warps, stages, maxnreg=None, ptxas_log=True, dqk=None)
         with tempfile.NamedTemporaryFile(suffix=".ptx", mode="w") as f:
             f.write(c.asm["ptx"])
             f.flush()
-            log = subprocess.run([KL.sm90_ptxas(), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+            log = subprocess.run([toolchain.sm90_ptxas(), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
                                  capture_output=True, text=True).stderr
     serialized = re.findall(r"serialized due to ([^']*?) in the function", log)
     regs = re.search(r"REG:(\d+)", res)
@@ -338,112 +338,39 @@ KERNELS = {"_fwd_kernel": "fwd", "_bwd_dq_kernel": "dq", "_bwd_dkdv_kernel": "dk
 
 
 def default_cases():
-    """{name: ops.forward / ops.backward inputs} of the --hash cases (see the module docstring)."""
-    cases = {}
+    """{name: ops.forward / ops.backward inputs} of the --hash cases: launch_trace.cases() (every default plan), then
+    the Triton kernels where the Gluon ones are the default, pinned (the case's "pins": plan.variant's settings):
+    sliding windows, and the forward and dQ kernels at D=256 and MLA's 192/128."""
+    cases = dict(_launch_trace().cases())
+    triton = dict(fwd_kernel="triton", dq_kernel="triton", dkdv_kernel="triton")
     for d in (64, 128):
-        for causal in (True, False):
-            for hq, hkv in ((4, 4), (16, 4)):
-                for n in (8192, 8000):
-                    for precision in ("fp8", "bf16"):
-                        for delta in ("matching", "stale"):
-                            if precision == "bf16" and (n == 8192 or hq != hkv):
-                                continue  # bf16 runs the Triton kernels at every shape: one shape suffices
-                            name = f"d{d}-{'causal' if causal else 'full'}-h{hq}:{hkv}-n{n}-{precision}-{delta}"
-                            cases[name] = dict(d=d, causal=causal, hq=hq, hkv=hkv, n=n, precision=precision,
-                                               delta=delta)
-        for hq, hkv in ((4, 4), (16, 4)):
-            for delta in ("matching", "stale"):
-                cases[f"d{d}-packed-h{hq}:{hkv}-{delta}"] = dict(d=d, causal=True, hq=hq, hkv=hkv, n=8000,
-                                                                 varlen=(3000, 4000, 1000), delta=delta)
-    for d in (64, 128):  # the rarer inputs after the common ones
-        cases[f"d{d}-varlen-unaligned"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3001, 3999, 1000))
-        cases[f"d{d}-varlen-full"] = dict(d=d, causal=False, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000))
-        # the Triton kernels on a window (TUNE hopper_window off; the Gluon ones are the default there)
-        cases[f"d{d}-window"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, window=1024,
-                                     tune=dict(hopper_window=False))
-        cases[f"d{d}-e5m2"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, grad_format="e5m2")
-        cases[f"d{d}-block64"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, block=64)
-    for causal in (True, False):
-        for precision in ("fp8", "bf16"):
-            cases[f"d256-{'causal' if causal else 'full'}-{precision}"] = dict(d=256, causal=causal, hq=4, hkv=4,
-                                                                              n=8192, precision=precision)
-    # the Triton forward and dQ kernels at D=256 and MLA's 192/128 (TUNE hopper_fwd_wide, hopper_dq_wide off; the
-    # Gluon ones are the default there)
-    triton_wide = dict(hopper_fwd_wide=False, hopper_dq_wide=False)
-    for name in ("d256-causal-fp8", "d256-full-fp8"):
-        cases[name]["tune"] = triton_wide
-    cases["mla-192:128"] = dict(d=192, dv=128, causal=True, hq=4, hkv=4, n=8192, tune=triton_wide)
-    cases["d128-gqa-full-stale"] = dict(d=128, causal=False, hq=16, hkv=4, n=8192, delta="stale")
-    # the Gluon forward at D=256 and MLA's 192/128 (launch.HOPPER_FWD_WIDE, on by default; its TUNE key explicit),
-    # and the default Gluon dQ (two launches) and dK/dV kernels after it
-    wide = dict(hopper_fwd_wide=True)
-    for causal in (True, False):
-        mask = "causal" if causal else "full"
-        for hq, hkv in ((4, 4), (16, 4)):
-            cases[f"d256-{mask}-h{hq}:{hkv}-fwd-wide"] = dict(d=256, causal=causal, hq=hq, hkv=hkv, n=8192, tune=wide)
-        cases[f"mla-192:128-{mask}-fwd-wide"] = dict(d=192, dv=128, causal=causal, hq=4, hkv=4, n=8192, tune=wide)
-    # the Gluon kernels' sliding windows (launch.HOPPER_WINDOW, on by default; its TUNE key explicit): dense, ragged
-    # and packed batches
-    for d in (64, 128):
-        for hq, hkv in ((4, 4), (16, 4)):
-            for n in (8192, 8000):
-                cases[f"d{d}-gluon-window-h{hq}:{hkv}-n{n}"] = dict(d=d, causal=True, hq=hq, hkv=hkv, n=n, window=1024,
-                                                                    tune=dict(hopper_window=True))
-        cases[f"d{d}-gluon-window-packed"] = dict(d=d, causal=True, hq=4, hkv=4, n=8000, varlen=(3000, 4000, 1000),
-                                                  window=1024, tune=dict(hopper_window=True))
+        cases[f"d{d}-window-triton"] = dict(d=d, causal=True, hq=4, hkv=4, n=8192, window=1024, pins=triton)
+    for mask in ("causal", "full"):
+        cases[f"d256-{mask}-triton-fwd-dq"] = dict(d=256, causal=mask == "causal", hq=4, hkv=4, n=8192,
+                                                   pins=dict(fwd_kernel="triton", dq_kernel="triton"))
+    cases["mla-192:128-triton-fwd-dq"] = dict(d=192, dv=128, causal=True, hq=4, hkv=4, n=8192,
+                                              pins=dict(fwd_kernel="triton", dq_kernel="triton"))
     return cases
 
 
 def record_launches(case):
     """[(kernel function, constexprs, warps, stages, maxnreg)] that ops.forward then ops.backward launch for `case`
-    (default_cases), with kernels.TUNE as it stands and the case's "tune" on top. CPU tensors stand in for the GPU's;
-    JITFunction.run records
-    each launch and returns without running it, and launch._hopper_case sees an sm_90 device and Triton 3.6."""
-    import torch
-    from triton.runtime.jit import JITFunction
-    from hf_deltamatch.config import DeltaMatchConfig
-    launches = []
+    (default_cases), with kernels.TUNE as it stands and the case's pins on top, as on the H200 (sm_90, Triton 3.6):
+    launch_trace.record, which catches every launch before it reaches a device."""
+    return [(fn, cx, opts.get("num_warps", 4), opts.get("num_stages", 3), opts.get("maxnreg"))
+            for fn, cx, opts, _, _ in _launch_trace().record(case) if fn.__name__ in KERNELS]
 
-    def run(self, *args, grid, warmup, **kwargs):
-        if self.__name__ in KERNELS:
-            opts = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-            launches.append((self, kwargs, opts.get("num_warps", 4), opts.get("num_stages", 3), opts.get("maxnreg")))
 
-    hopper_case = KL._hopper_case
+def _launch_trace():
+    """benchmarks/launch_trace.py, beside this script (imported when needed: it clears TRITON_INTERPRET)."""
+    import importlib
+    import sys
 
-    def sm90_case(**kw):
-        saved, triton.__version__ = triton.__version__, "3.6.0"
-        try:
-            return hopper_case(**{**kw, "device": torch.device("cuda")})
-        finally:
-            triton.__version__ = saved
-
-    saved = JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability
-    saved_tune = dict(K.TUNE)
-    JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = run, sm90_case, lambda *a: (9, 0)
-    K.TUNE.update(case.get("tune", {}))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
-        d, dv, n = case["d"], case.get("dv", case["d"]), case["n"]
-        B = 1 if "varlen" in case else 2
-        q = torch.zeros(B, case["hq"], n, d, dtype=torch.bfloat16)
-        k = torch.zeros(B, case["hkv"], n, d, dtype=torch.bfloat16)
-        v = torch.zeros(B, case["hkv"], n, dv, dtype=torch.bfloat16)
-        cu = None
-        if "varlen" in case:
-            lengths = torch.tensor((0, *case["varlen"]))
-            cu = torch.cumsum(lengths, 0).to(torch.int32)
-            assert int(cu[-1]) == n
-        config = DeltaMatchConfig(precision=case.get("precision", "fp8"), delta=case.get("delta", "matching"),
-                                  block=case.get("block", 128), grad_format=case.get("grad_format", "e4m3"))
-        kw = dict(causal=case["causal"], softmax_scale=None, window=case.get("window"), cu_seqlens_q=cu,
-                  cu_seqlens_k=cu, config=config)
-        out, lse, q8, k8, v8, sq, sk, sv = KO.forward(q, k, v, **kw)
-        KO.backward(torch.zeros_like(out), q, k, v, out, lse, q8, k8, v8, sq, sk, sv, **kw)
+        return importlib.import_module("launch_trace")
     finally:
-        JITFunction.run, KL._hopper_case, torch.cuda.get_device_capability = saved
-        K.TUNE.clear()
-        K.TUNE.update(saved_tune)
-    return launches
+        sys.path.pop(0)
 
 
 def hash_defaults(path):
@@ -477,132 +404,136 @@ def main():
     p.add_argument("--full", action="store_true", help="the full mask instead of causal")
     p.add_argument("--groups", type=int, default=1, help="query heads per KV head (GQA)")
     p.add_argument("--window", action="store_true", help="the Gluon kernels' sliding-window variant (HAS_WINDOW, "
-                                                         "causal; launch.HOPPER_WINDOW)")
+                                                         "causal)")
     p.add_argument("--varlen", action="store_true", help="the Gluon kernels' packed-batch variant (causal; with "
                                                           "--full the ragged dense batches' full-mask one)")
     p.add_argument("--dump", help="a folder to write each kernel's SASS (addresses stripped) and PTX to, "
                                   "<kernel>.sass / .ptx")
-    p.add_argument("--variants", default="{}", help="semicolon-separated kernels.TUNE dicts")
+    p.add_argument("--variants", default="{}",
+                   help="semicolon-separated dicts of plan pins and kernels.TUNE launch shapes (plan.variant)")
     p.add_argument("--loops", action="store_true", help="instructions per loop iteration, by kind (per warp)")
     p.add_argument("--operands", action="store_true",
                    help="the Gluon dK/dV kernel (hopper): check its MMAs' operands tile by tile (check_dkdv_operands)")
     p.add_argument("--part", type=int, choices=(0, 1, 2), help="the Gluon dK/dV kernel's PART (0 both, 1 dV alone, 2 "
                    "dK alone) and the Gluon dQ kernel's HALF (0 all of dQ's columns, 1 the first half with the "
-                   "correction pass, 2 the second); default: launch's last (2 above D = 128)")
+                   "correction pass, 2 the second); default: the plan's last (2 above D = 128)")
     p.add_argument("--dkdv-pipe", choices=("on", "fresh", "off"),
                    help="the Gluon dK/dV kernel's pipelined dK MMA (dkdv_hopper.pipe_mode 1), with a fresh dP^T "
-                        "accumulator (2), or off, whatever launch.py would choose")
+                        "accumulator (2), or off, whatever the plan would choose")
     p.add_argument("--hash", metavar="FILE", help="write every default path's kernels and their SASS hashes to FILE "
                                                   "(the module docstring); the other options are ignored")
     args = p.parse_args()
     if args.hash:
         hash_defaults(args.hash)
         return
-    fp8 = not args.bf16
     for var in args.variants.split(";"):
-        K.TUNE.clear()
-        K.TUNE.update(eval(var))  # noqa: S307  (our own command line)
-        causal = not args.full
-        c = common(args.d, fp8, causal, args.groups)
-        fm, fw, fs = KL._fwd_launch_cfg(args.d, args.d, fp8)
-        kv_n = KL._dkdv_block_n(args.block, args.d, KL._dkdv_ds_scales(args.d, fp8, args.groups > 1))
-        dm, dw, ds, kw, ks = KL._bwd_launch_cfg(args.d, args.d, fp8, kv_n, args.block)
-        bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
-        wait = {k: dict(ASM_SCALES=KL._asm_scales(k, args.d, causal)) for k in ("fwd", "dq", "dkdv")}
-        wait["dq"]["SCALE_AFTER_SUM"] = KL._scale_after_sum(args.d)
-        lse2, shift = KL._dkdv_lse2(args.d), KL._dkdv_p_shift(args.d, fp8)
-        wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
-        dss = KL._dkdv_ds_scales(args.d, fp8, args.groups > 1)
-        wait["dq"]["DSS_OUT"] = dss
-        wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=KL._dkdv_parts(args.d)[-1], DSS_IN=dss)
-        jobs = {
-            "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
-                                      TMA=KL._use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),
-            "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
-                                        ROW_SUMS=False, DS_Q=KO.DS_TILE_Q, ONE_TILE=dm == KO.DS_TILE_Q,
-                                        TMA=KL._use_tma("dq", fp8, args.d, args.d), **wait["dq"]), dw, ds),
-            "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=KO.DS_TILE_Q,
-                                            BLOCK_N=kv_n, DS_K=args.block, **wait["dkdv"]), kw, ks),
-        }
-        # the q/k quantization pass of a dense batch (row-major copy and scales), plain and with the fused outlier
-        # transforms (kernels/transform.py), with the launcher's warps; the transforms' backward pass over dk
-        bd = 1 << (args.d - 1).bit_length()
-        quant = dict(D=args.d, BLOCK_T=args.block, BLOCK_D=bd, FMAX=448.0, E5M2=False, POW2=False, WRITE_Y=True,
-                     WRITE_YT=False, VARLEN=False, INTERP=False, K_ORDER=False, TILES=False, WRITE_S=True,
-                     WRITE_PY=False, WRITE_PYT=False)
-        # the rotation's tiles per program, warps and stages as launched at n8192c (B2 H16 N8192: 2048 tiles), H200
-        per, rot_warps, rot_stages = KL._quantize_rotate_cfg(2 * 16 * 8192 // args.block, args.d, "cpu")
-        for name, center, rotate in (("quantize", False, False), ("quantize_rotate", False, True),
-                                     ("quantize_center", True, False), ("quantize_both", True, True)):
-            cx = dict(quant, CENTER=center, ROTATE=rotate, PER_PROGRAM=per if rotate else 1)
-            jobs[name] = (_quantize_kernel, cx, rot_warps if rotate else 8 if args.d > 128 else 4,
-                          rot_stages if rotate else 1)
-        jobs["center_rotate"] = (_center_rotate_kernel, dict(D=args.d, BLOCK_T=64, BLOCK_D=bd, VARLEN=False,
-                                                             ROTATE=True, INTERP=False), 4, 1)
-        if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
-            from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel, pipe_mode
-            if args.dkdv_pipe:  # launch refuses the pipelined MMA under some ptxas: decide it here instead
-                K.TUNE["dkdv_hopper_pipe"] = False
-            dv = args.dv or args.d
-            cfg = KL._dkdv_hopper_cfg(max(args.d, dv), causal=causal, groups=args.groups, packed=args.varlen,
-                                      window=args.window)
-            if args.dkdv_pipe:
-                cfg["pipe"], cfg["fresh_dp"] = args.dkdv_pipe != "off", args.dkdv_pipe == "fresh"
-            # dV alone (PART 1) and dK alone (2) above D = 128: --part picks one, else the heavier (dK)
-            jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=1 << (args.d - 1).bit_length(),
-                                                            HEAD_DV=dv, DQK=args.d,
-                                                            PART=args.part if args.part is not None
-                                                            else cfg["parts"][-1], CAUSAL=causal,
-                                                            STAGES=cfg["stages"],
-                                                            VARLEN=args.varlen, WGS=cfg["warpgroups"],
-                                                            REGS=cfg["regs"],
-                                                            PAIRS=cfg["pairs"], PEEL=cfg["peel"],
-                                                            AHEAD=cfg["ahead"],
-                                                            PIPE=pipe_mode(cfg["pipe"], cfg["fresh_dp"]),
-                                                            HAS_WINDOW=args.window), 4, 1)
-        if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
-            from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
-            dv = args.dv or args.d
-            cfg = KL._dq_hopper_cfg(max(args.d, dv), causal, padded=args.varlen)
-            box = 1 << (args.d - 1).bit_length()
-            half = args.part if args.part is not None else cfg["halves"][-1]  # --part: the column half (0: all)
-            jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
-                GROUPS=args.groups, HEAD_D=box, CAUSAL=causal, STAGES=cfg["stages"],
-                SCALE_AFTER_SUM=KL._scale_after_sum(max(args.d, dv)), FMAX=448.0, POW2=False, ROW_SUMS=False,
-                VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"], HAS_WINDOW=args.window, DQK=args.d,
-                HEAD_DV=dv, DQ_COLS=box if half == 0 else box // 2, HALF=half), 4, 1)
-        if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py); HEAD_D is Dv
-            from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
-            dv = args.dv or args.d
-            cfg = KL._fwd_hopper_cfg(dv)
-            jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=dv, CAUSAL=causal,
-                                                           STAGES=cfg["stages"], VARLEN=args.varlen,
-                                                           REGS=cfg["regs"], NWG=cfg["warpgroups"],
-                                                           HAS_WINDOW=args.window), 4, 1)
-        for name in args.kernels.split(","):
-            fn, cx, w, s = jobs[name]
-            u = usage(fn, cx, w, s, KL._maxnreg(name).get("maxnreg"), dqk=args.d)
-            print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
-                  f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']} sass={u['sass_md5']} "
-                  f"instructions={u['sass'].count(chr(10)) + 1}",
+        with plan.variant(eval(var)):  # noqa: S307  (our own command line)
+            report(args, var)
+
+
+def report(args, var):
+    """One line per kernel of --kernels compiled with the launch configuration the package would use (the
+    --variants entry `var` in force), with --loops / --operands / --dump's extras."""
+    fp8 = not args.bf16
+    causal = not args.full
+    c = common(args.d, fp8, causal, args.groups)
+    fm, fw, fs = C.fwd_launch(args.d, args.d, fp8)
+    kv_n = C.dkdv_block_n(args.block, args.d, C.dkdv_ds_scales(args.d, fp8, args.groups > 1))
+    dm, dw, ds, kw, ks = C.bwd_launch(args.d, args.d, fp8, kv_n, args.block)
+    bwd = dict(FMAX=448.0, E5M2=False, POW2=False)
+    wait = {k: dict(ASM_SCALES=C.asm_scales(k, args.d, causal, interpret=False)) for k in ("fwd", "dq", "dkdv")}
+    wait["dq"]["SCALE_AFTER_SUM"] = args.d in C.SCALE_AFTER_SUM_HEAD_DIMS
+    lse2 = args.d in C.DKDV_LSE2_HEAD_DIMS
+    shift = 8 if fp8 and args.d in C.DKDV_P256_HEAD_DIMS else 0
+    wait["dq"].update(LSE2_OUT=lse2, P_SHIFT=shift)
+    dss = C.dkdv_ds_scales(args.d, fp8, args.groups > 1)
+    wait["dq"]["DSS_OUT"] = dss
+    wait["dkdv"].update(LSE2_IN=lse2, P_SHIFT=shift, PART=C.dkdv_parts(args.d)[-1], DSS_IN=dss)
+    jobs = {
+        "fwd": (_fwd_kernel, dict(c, DV=args.d, BLOCK_M=fm, BLOCK_N=args.block,
+                                  TMA=C.use_tma("fwd", fp8, args.d, args.d), **wait["fwd"]), fw, fs),
+        "dq": (_bwd_dq_kernel, dict(c, **bwd, DV=args.d, BLOCK_M=dm, BLOCK_N=args.block, STALE=False,
+                                    ROW_SUMS=False, DS_Q=KO.DS_TILE_Q, ONE_TILE=dm == KO.DS_TILE_Q,
+                                    TMA=C.use_tma("dq", fp8, args.d, args.d), **wait["dq"]), dw, ds),
+        "dkdv": (_bwd_dkdv_kernel, dict(c, **bwd, DV_=args.d, BLOCK_M=KO.DS_TILE_Q,
+                                        BLOCK_N=kv_n, DS_K=args.block, **wait["dkdv"]), kw, ks),
+    }
+    # the q/k quantization pass of a dense batch (row-major copy and scales), plain and with the fused outlier
+    # transforms (kernels/transform.py), with the launcher's warps; the transforms' backward pass over dk
+    bd = 1 << (args.d - 1).bit_length()
+    quant = dict(D=args.d, BLOCK_T=args.block, BLOCK_D=bd, FMAX=448.0, E5M2=False, POW2=False, WRITE_Y=True,
+                 WRITE_YT=False, VARLEN=False, INTERP=False, K_ORDER=False, TILES=False, WRITE_S=True,
+                 WRITE_PY=False, WRITE_PYT=False)
+    # the rotation's tiles per program, warps and stages as launched at n8192c (B2 H16 N8192: 2048 tiles), H200
+    per, rot_warps, rot_stages = C.quantize_rotate(2 * 16 * 8192 // args.block, args.d, "cpu")
+    for name, center, rotate in (("quantize", False, False), ("quantize_rotate", False, True),
+                                 ("quantize_center", True, False), ("quantize_both", True, True)):
+        cx = dict(quant, CENTER=center, ROTATE=rotate, PER_PROGRAM=per if rotate else 1)
+        jobs[name] = (_quantize_kernel, cx, rot_warps if rotate else 8 if args.d > 128 else 4,
+                      rot_stages if rotate else 1)
+    jobs["center_rotate"] = (_center_rotate_kernel, dict(D=args.d, BLOCK_T=64, BLOCK_D=bd, VARLEN=False,
+                                                         ROTATE=True, INTERP=False), 4, 1)
+    if "hopper" in args.kernels.split(","):  # Gluon, Triton 3.6's API (dkdv_hopper.py): 4 warps + workers
+        from hf_deltamatch.kernels.dkdv_hopper import _bwd_dkdv_hopper_kernel, pipe_mode
+        dv = args.dv or args.d
+        cfg = C.dkdv_hopper(max(args.d, dv), causal=causal, groups=args.groups, padded=args.varlen,
+                            window=args.window, pins=dict(plan.PINS))
+        if args.dkdv_pipe:
+            cfg["pipe"], cfg["fresh_dp"] = args.dkdv_pipe != "off", args.dkdv_pipe == "fresh"
+        # dV alone (PART 1) and dK alone (2) above D = 128: --part picks one, else the heavier (dK)
+        jobs["hopper"] = (_bwd_dkdv_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=1 << (args.d - 1).bit_length(),
+                                                        HEAD_DV=dv, DQK=args.d,
+                                                        PART=args.part if args.part is not None
+                                                        else cfg["parts"][-1], CAUSAL=causal,
+                                                        STAGES=cfg["stages"],
+                                                        VARLEN=args.varlen, WGS=cfg["warpgroups"],
+                                                        REGS=cfg["regs"],
+                                                        PAIRS=cfg["pairs"], PEEL=cfg["peel"],
+                                                        AHEAD=cfg["ahead"],
+                                                        PIPE=pipe_mode(cfg["pipe"], cfg["fresh_dp"]),
+                                                        HAS_WINDOW=args.window), 4, 1)
+    if "hopper_dq" in args.kernels.split(","):  # Gluon (dq_hopper.py)
+        from hf_deltamatch.kernels.dq_hopper import _bwd_dq_hopper_kernel
+        dv = args.dv or args.d
+        cfg = C.dq_hopper(max(args.d, dv), causal, padded=args.varlen)
+        box = 1 << (args.d - 1).bit_length()
+        half = args.part if args.part is not None else cfg["halves"][-1]  # --part: the column half (0: all)
+        jobs["hopper_dq"] = (_bwd_dq_hopper_kernel, dict(
+            GROUPS=args.groups, HEAD_D=box, CAUSAL=causal, STAGES=cfg["stages"],
+            SCALE_AFTER_SUM=max(args.d, dv) in C.SCALE_AFTER_SUM_HEAD_DIMS, FMAX=448.0, POW2=False, ROW_SUMS=False,
+            VARLEN=args.varlen, PINGPONG=cfg["pingpong"], PIPE=cfg["pipe"], HAS_WINDOW=args.window, DQK=args.d,
+            HEAD_DV=dv, DQ_COLS=box if half == 0 else box // 2, HALF=half), 4, 1)
+    if "hopper_fwd" in args.kernels.split(","):  # Gluon (fwd_hopper.py); HEAD_D is Dv
+        from hf_deltamatch.kernels.fwd_hopper import _fwd_hopper_kernel
+        dv = args.dv or args.d
+        cfg = C.fwd_hopper(dv)
+        jobs["hopper_fwd"] = (_fwd_hopper_kernel, dict(GROUPS=args.groups, HEAD_D=dv, CAUSAL=causal,
+                                                       STAGES=cfg["stages"], VARLEN=args.varlen,
+                                                       REGS=cfg["regs"], NWG=cfg["warpgroups"],
+                                                       HAS_WINDOW=args.window), 4, 1)
+    for name in args.kernels.split(","):
+        fn, cx, w, s = jobs[name]
+        u = usage(fn, cx, w, s, C.maxnreg(name).get("maxnreg"), dqk=args.d)
+        print(f"{var:40s} {name:5s} warps={w:2d} stages={s} regs={u['regs']} spill={u['spill_bytes']}B "
+              f"smem={u['smem']} {' '.join(u['mma'])} wgmma serialized: {u['serialized']} sass={u['sass_md5']} "
+              f"instructions={u['sass'].count(chr(10)) + 1}",
+              flush=True)
+        if args.dump:
+            os.makedirs(args.dump, exist_ok=True)
+            for ext in ("sass", "ptx"):
+                with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
+                    f.write(u[ext])
+        if args.operands and name == "hopper":
+            tiles = mma_operands(u["sass"])
+            for tile in tiles:
+                print(f"{'':46s} tile @{tile[0][0]}: " + ", ".join(
+                    f"{acc} += {operand_kind(tags)}" for _, acc, _, tags in tile), flush=True)
+            problems = check_dkdv_operands(tiles, jobs["hopper"][1]["PIPE"] > 0)
+            print(f"{'':46s} operands: " + ("ok" if not problems else "WRONG\n" + "\n".join(problems)),
                   flush=True)
-            if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                for ext in ("sass", "ptx"):
-                    with open(os.path.join(args.dump, f"{name}.{ext}"), "w") as f:
-                        f.write(u[ext])
-            if args.operands and name == "hopper":
-                tiles = mma_operands(u["sass"])
-                for tile in tiles:
-                    print(f"{'':46s} tile @{tile[0][0]}: " + ", ".join(
-                        f"{acc} += {operand_kind(tags)}" for _, acc, _, tags in tile), flush=True)
-                problems = check_dkdv_operands(tiles, jobs["hopper"][1]["PIPE"] > 0)
-                print(f"{'':46s} operands: " + ("ok" if not problems else "WRONG\n" + "\n".join(problems)),
-                      flush=True)
-            if args.loops:
-                for lo, counts in u["loops"]:
-                    print(f"{'':46s} loop @{lo:#07x}: " + " ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
-    K.TUNE.clear()
+        if args.loops:
+            for lo, counts in u["loops"]:
+                print(f"{'':46s} loop @{lo:#07x}: " + " ".join(f"{k}={v}" for k, v in counts.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ backward from the gradient hook on its output to the gradient hook on its query;
 without those hooks (`--no-shares`); `--profile` gives where a step's time goes.
 
   python benchmarks/train_throughput.py --out /tmp/tp                               # 8k and 64k, every attn
-  python benchmarks/train_throughput.py --settings 64k --attn deltamatch_fp8 --linears bf16,fp8,fp8-compiled --out /tmp/tp
+  python benchmarks/train_throughput.py --settings 64k --attn deltamatch_fp8 --linears bf16,fp8,fp8-compiled \
+      --out /tmp/tp
   python benchmarks/train_throughput.py --settings 64k --attn deltamatch_fp8,sdpa --norms eager,fused --out /tmp/tp
   python benchmarks/train_throughput.py --settings qwen3-0.6b --shapes 8192x1 --attn deltamatch_fp8,sdpa \\
       --compile eager,compiled --repeats 5 --profile --step-json /tmp/tp/step.json

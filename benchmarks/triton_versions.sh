@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The Gluon (sm_90) kernels on the Triton found first on PYTHONPATH, in one call on the GPU machine: before a
-# version joins launch.GLUON_TRITON_VERSIONS, its GPU tests must pass and its times be recorded.
+# release joins kernels/toolchain.py's RELEASES, its GPU tests must pass and its times be recorded.
 #
 #   PYTHONPATH=/path/to/triton-3.9:$PYTHONPATH bash benchmarks/triton_versions.sh "$OUT"
 #
-# HF_DELTAMATCH_GLUON=1 is set throughout, so the Gluon kernels run on any version (launch._gluon_triton_ok).
+# HF_DELTAMATCH_GLUON=1 is set throughout, so the Gluon kernels run on any version (toolchain.current).
 # Writes under OUT:
 #   versions.txt       triton, torch, the sm_90 ptxas (its CUDA release decides the dK/dV kernel's pipelined MMA:
-#                      launch.DKDV_HOPPER_PIPE_PTXAS_BELOW) and the GPU
+#                      toolchain.PIPE_PTXAS_BELOW) and the GPU
 #   operands.log       benchmarks/sm90_registers.py --operands for the dK/dV kernel's default configs (D=128 causal
 #                      and full, D=64 causal and full) and the pipelined MMA forced on (D=128 full): compile-time,
 #                      "operands: ok" or WRONG per config
@@ -49,12 +49,13 @@ started=$(date +%s)
 # 0. What runs: a Triton from the wrong place would make every result below about another version.
 "$PYTHON" - > "$OUT/versions.txt" 2>&1 <<'EOF'
 import subprocess, torch, triton
-from hf_deltamatch.kernels import launch
-print("triton", triton.__version__, triton.__file__)
+from hf_deltamatch.kernels import configs, toolchain
+print("triton", triton.__version__, triton.__file__, "record:", toolchain.current())
 print("torch", torch.__version__, "cuda", torch.version.cuda)
-print("sm_90 ptxas", launch.sm90_ptxas(), "CUDA major", launch._sm90_ptxas_major())
-print(subprocess.run([launch.sm90_ptxas(), "--version"], capture_output=True, text=True).stdout.strip())
-print("pipelined dK MMA by default:", launch._dkdv_hopper_cfg(128, causal=True, groups=1, packed=False)["pipe"])
+print("sm_90 ptxas", toolchain.sm90_ptxas(), "CUDA major", toolchain.sm90_ptxas_major())
+print(subprocess.run([toolchain.sm90_ptxas(), "--version"], capture_output=True, text=True).stdout.strip())
+cfg = configs.dkdv_hopper(128, causal=True, groups=1, padded=False, window=False, pins={})
+print("pipelined dK MMA by default:", cfg["pipe"], "fresh dP accumulator:", cfg["fresh_dp"])
 print("gpu", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
 EOF
 cat "$OUT/versions.txt"

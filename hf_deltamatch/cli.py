@@ -1,4 +1,5 @@
-"""`hf-deltamatch`: check (the invariant demo), plot (training runs), eval (lm-eval + RULER), card (model cards)."""
+"""`hf-deltamatch`: check (the invariant demo), plot (training runs), eval (lm-eval + RULER), card (model cards), plan
+(the kernels' plan for a shape)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ COMMANDS = {
     "plot": (_lazy("hf_deltamatch.training.plot", "plot_main", "train"), "loss curves of training runs (PNG)"),
     "eval": (_lazy("hf_deltamatch.eval.cli", "eval_main", "eval"), "lm-eval / RULER with deltamatch_fp8"),
     "card": (_lazy("hf_deltamatch.eval.cli", "card_main", "eval"), "write a Hugging Face model card for a run"),
+    "plan": (_lazy("hf_deltamatch.kernels.plan", "main", "triton"), "which kernels run for a shape, how they launch"),
 }
 
 

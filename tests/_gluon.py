@@ -4,11 +4,11 @@ import pytest
 
 
 def skip_unless_gluon_triton():
-    """The Gluon kernels' tests run with a Triton of launch.GLUON_TRITON_VERSIONS, or any with HF_DELTAMATCH_GLUON=1
-    (benchmarks/triton_versions.sh)."""
-    from hf_deltamatch.kernels import launch
+    """The Gluon kernels' tests run with a Triton release of kernels/toolchain.RELEASES, or any with
+    HF_DELTAMATCH_GLUON=1 (benchmarks/triton_versions.sh)."""
+    from hf_deltamatch.kernels import toolchain
 
-    if not launch._gluon_triton_ok(warn=False):
-        import triton
-        pytest.skip(f"Triton {triton.__version__} is not among launch.GLUON_TRITON_VERSIONS "
-                    f"{launch.GLUON_TRITON_VERSIONS}; HF_DELTAMATCH_GLUON=1 runs the Gluon kernels' tests on it")
+    current = toolchain.current()
+    if not current.gluon:
+        pytest.skip(f"Triton {current.version} is not among the tested releases ({toolchain.tested_text()}); "
+                    f"{toolchain.GLUON_ENV}=1 runs the Gluon kernels' tests on it")

@@ -73,3 +73,17 @@ def _gpu_peak_memory(request):
     yield
     with open(path, "a") as f:
         f.write(f"{request.node.nodeid} {torch.cuda.max_memory_reserved() / 2**30:.2f}\n")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_plans():
+    """Kernel plans are cached per input (kernels/plan.py); a test that changes a launch table changes what a plan
+    would be: each test starts and ends with an empty cache."""
+    try:
+        from hf_deltamatch.kernels import plan
+    except ImportError:  # no triton
+        yield
+        return
+    plan.select.cache_clear()
+    yield
+    plan.select.cache_clear()

@@ -19,7 +19,9 @@ from _gluon import skip_unless_gluon_triton  # noqa: E402
 
 if torch.cuda.is_available():
     from hf_deltamatch import kernels as K
-    from hf_deltamatch.kernels import launch as KL, ops as KO
+    from hf_deltamatch.kernels import configs as C
+    from hf_deltamatch.kernels import ops as KO
+    from hf_deltamatch.kernels import plan as P
 
 
 def _inputs(B, Hq, Hkv, N, M, Dqk, Dv, dtype, seed=0):
@@ -32,6 +34,22 @@ def _inputs(B, Hq, Hkv, N, M, Dqk, Dv, dtype, seed=0):
 # DeepSeek-V3 tech report 3.3.2), so on the GPU the fp8 kernels agree with the fp32 reference to a few 1e-3
 # rather than the interpreter's 1e-5 (tests/test_kernels.py); bf16 mode (HGMMA, fp32 accumulation) stays tight.
 FP8_TOL, BF16_TOL = 1e-2, 2e-3
+
+# The Triton kernels on every pass, where the Gluon ones are the default
+TRITON = dict(fwd_kernel="triton", dq_kernel="triton", dkdv_kernel="triton")
+
+
+def _variant(settings=None, **more):
+    """plan.variant of `settings` and `more` in one dict: plan pins (a kernel pinned "gluon" raises where the Gluon
+    kernel cannot take the input, so that a comparison never falls back to Triton) and kernels.TUNE launch shapes,
+    both restored after."""
+    return P.variant({**(settings or {}), **more})
+
+
+def _plan(q, k, v, kw):
+    """The Plan of K.forward / K.backward on these inputs (kw: their keyword arguments), with the pins in force."""
+    vl = KO.sequences(q, k, kw["cu_seqlens_q"], kw["cu_seqlens_k"])[0]
+    return P.select(P.case_of(q, k, v, causal=kw["causal"], window=kw["window"], config=kw["config"], varlen=vl))
 
 
 def _compare(B=1, Hq=4, Hkv=4, N=2048, M=None, Dqk=128, Dv=None, causal=True, window=None, cu=None,
@@ -106,7 +124,8 @@ def test_varlen_tma_aligned_starts():
     the pointer path, tests/test_kernels.py), tokens past the last sequence included (their q8/k8/v8 are
     unspecified, so the *_mismatch figures printed for this case count them)."""
     cu = torch.tensor([0, 1024, 1040, 3008], device="cuda")
-    assert KO._seq_info(cu, cu, cu, cu)[5] and KL._use_tma("fwd", True, 128, 128) and KL._use_tma("dq", True, 128, 128)
+    assert KO.sequences(cu, cu, cu, cu)[1].aligned
+    assert C.use_tma("fwd", True, 128, 128) and C.use_tma("dq", True, 128, 128)
     _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1024, 1040, 3008], window=None)
 
 
@@ -119,12 +138,9 @@ def test_tma_equals_pointer_paths_on_tail_tiles():
               config=DeltaMatchConfig())
     runs = []
     for on in (True, False):
-        K.TUNE.update(fwd_tma=on, dq_tma=on, hopper_ragged=False)
-        try:
+        with _variant(fwd_tma=on, dq_tma=on, **TRITON):
             f = K.forward(q, k, v, **kw)
             runs.append((*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)))
-        finally:
-            K.TUNE.clear()
     for a, b in zip(*runs):
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
@@ -143,22 +159,19 @@ def test_tma_equals_pointer_paths(monkeypatch):
     for name, tune in {"tma": tma, "pointers": dict(fwd_tma=False, dq_tma=False),
                        "tma, scale loads flipped": tma}.items():
         if name == "tma, scale loads flipped":  # how the loops read their scales changes no bit (D=128: inline PTX)
-            assert all(KL._asm_scales(k, 128) for k in KL.ASM_SCALES_HEAD_DIMS)
-            monkeypatch.setattr(KL, "ASM_SCALES_HEAD_DIMS", {k: () for k in KL.ASM_SCALES_HEAD_DIMS})
-        K.TUNE.update(tune, dkdv_hopper=False, dq_hopper=False)  # the Triton kernels, not the Gluon ones at D=128
-        try:
+            assert all(C.asm_scales(k, 128, True, False) for k in C.ASM_SCALES_HEAD_DIMS)
+            monkeypatch.setattr(C, "ASM_SCALES_HEAD_DIMS", {k: () for k in C.ASM_SCALES_HEAD_DIMS})
+            P.select.cache_clear()
+        # the Triton kernels, not the Gluon ones at D=128
+        with _variant(tune, dkdv_kernel="triton", dq_kernel="triton"):
             runs[name] = fwd_bwd()
-        finally:
-            K.TUNE.clear()
     monkeypatch.undo()
     for name in ("pointers", "tma, scale loads flipped"):
         for a, b in zip(runs["tma"], runs[name]):
             assert torch.equal(a, b), name
-    K.TUNE.update(dkdv_hopper=False, dq_hopper=False)  # and the Triton kernels against the reference at D=128
-    try:
+    P.select.cache_clear()
+    with _variant(dkdv_kernel="triton", dq_kernel="triton"):  # and the Triton kernels against the reference at D=128
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
-    finally:
-        K.TUNE.clear()
 
 
 def test_e5m2_pow2():
@@ -207,9 +220,9 @@ def test_invariant_residual(N):
 
 
 def test_correction_pass_scale_after_sum(monkeypatch):
-    """The correction pass scaling row sums instead of every dP (launch.SCALE_AFTER_SUM_HEAD_DIMS; D=64 added
+    """The correction pass scaling row sums instead of every dP (configs.SCALE_AFTER_SUM_HEAD_DIMS; D=64 added
     here): the same tolerances, the invariant at 8K still at fp32 rounding."""
-    monkeypatch.setattr(KL, "SCALE_AFTER_SUM_HEAD_DIMS", (64, 128, 256))
+    monkeypatch.setattr(C, "SCALE_AFTER_SUM_HEAD_DIMS", (64, 128, 256))
     _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
     _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, causal=False)
     res = _invariant(8192)
@@ -217,42 +230,37 @@ def test_correction_pass_scale_after_sum(monkeypatch):
 
 
 def test_dkdv_lse2_and_p256():
-    """The dK/dV kernel reading the dQ kernel's LSE2 and taking P * 256 straight from exp2 (TUNE dkdv_lse2,
-    dkdv_p256): the same tolerances, full and causal, D 64, 128 and 256, GQA, and the stale delta."""
-    K.TUNE.update(dkdv_lse2=True, dkdv_p256=True)
-    try:
+    """The dK/dV kernel reading the dQ kernel's LSE2 and taking P * 256 straight from exp2 (pinned lse2, p256, as
+    by default at these head dims): the same tolerances, full and causal, D 64, 128 and 256, GQA, and the stale
+    delta."""
+    with _variant(lse2=True, p256=True):
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=64, causal=False)
         _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256)
         _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, delta="stale")
-    finally:
-        K.TUNE.clear()
 
 
 @pytest.mark.parametrize("stages,wgs64", [(2, {64: (2, 240)}), (3, {64: (2, 240)}), (3, {64: (3, 160)})],
                          ids=["s2-wg2", "s3-wg2", "s3-wg3"])
 def test_dkdv_hopper_kernel(stages, wgs64):
-    """The Gluon dK/dV kernel (dkdv_hopper.py, TUNE dkdv_hopper) against the reference (the same tolerances)
+    """The Gluon dK/dV kernel (dkdv_hopper.py, pinned dkdv_kernel="gluon") against the reference (the same tolerances)
     and against _bwd_dkdv_kernel reading the same dS tile scales (the same arithmetic: only the MMAs' issue
     order differs), causal and full, D 64 and 128, GQA; dQ is untouched. At D=64 with programs of two or three
     warpgroups (`wgs64`; three: 192 keys, which do not divide N at 1024 or 1280)."""
     skip_unless_gluon_triton()
     opts = dict(dkdv_hopper_stages=stages, dkdv_hopper_wgs=wgs64)
-    K.TUNE.update(dkdv_hopper=True, dq_hopper=False, **opts)
-    try:
+    with _variant(dkdv_kernel="gluon", dq_kernel="triton", **opts):
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
         _compare(B=1, Hq=4, Hkv=2, N=1280, Dqk=64)
-    finally:
-        K.TUNE.clear()
-    for errs in _gluon_vs_triton(dict(dkdv_hopper=True, dq_hopper=False), opts, seed=3):
-        # dQ: the same Triton kernel; dV 3e-3: the query tiles in pairs (launch.DKDV_HOPPER_PAIRS) skip a rescale
+    for errs in _gluon_vs_triton(dict(dkdv_kernel="gluon", dq_kernel="triton"), opts, seed=3):
+        # dQ: the same Triton kernel; dV 3e-3: the query tiles in pairs (the plan's dkdv pairs) skip a rescale
         # the Triton kernel makes (test_dkdv_hopper_loop_variants)
         assert errs[0] == 0.0 and errs[1] < 1e-3 and errs[2] < 3e-3, errs
 
 
 def _gluon_vs_triton(gluon, opts, seed):
-    """[(dq, dk, dv) relative errors] of the backward with the Gluon kernel(s) TUNE `gluon` switches on, against the
+    """[(dq, dk, dv) relative errors] of the backward with the Gluon kernel(s) `gluon` pins (_variant), against the
     Triton kernels reading the same dS scales, from the same saved tensors: causal GQA and the full mask at D=128,
     causal and full at D=64, also at N that the forward's three warpgroups (192 queries) do not divide."""
     out = []
@@ -262,21 +270,21 @@ def _gluon_vs_triton(gluon, opts, seed):
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=seed)
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
-        case = dict(fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=False, window=None, n=N, m=N,
-                    device=q.device, lse2_in=True, p_shift=8)
         f = K.forward(q, k, v, **kw)
         grads = {}
-        for name, tune in (("triton", dict(dkdv_hopper=False, dq_hopper=False)), ("gluon", gluon)):
-            K.TUNE.update(tune, **opts)
+        for name, tune in (("triton", dict(dkdv_kernel="triton", dq_kernel="triton")), ("gluon", gluon)):
             mp = pytest.MonkeyPatch()
-            try:  # the Gluon run must not fall back to Triton, or the comparison proves nothing
-                assert (KL._dkdv_hopper(D, **case) or KL._dq_hopper(D, stale=False, **case)) == (name == "gluon")
+            try:
                 # the Triton dK/dV kernel reads the dQ kernel's dS scales, with GQA at D=128 too
-                mp.setattr(KL, "DKDV_DS_SCALES_GQA_HEAD_DIMS", KL.DKDV_DS_SCALES_HEAD_DIMS)
-                grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
+                mp.setattr(C, "DKDV_DS_SCALES_GQA_HEAD_DIMS", C.DKDV_DS_SCALES_HEAD_DIMS)
+                P.select.cache_clear()
+                with _variant(tune, **opts):  # pinned: the Gluon run cannot fall back to Triton
+                    b = _plan(q, k, v, kw).backward
+                    assert ("gluon" in (b.dq, b.dkdv)) == (name == "gluon")
+                    grads[name] = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             finally:
                 mp.undo()
-                K.TUNE.clear()
+                P.select.cache_clear()
         errs = [rel_err(b, a) for a, b in zip(grads["gluon"], grads["triton"])]
         print("GLUON vs TRITON", gluon, B, Hq, Hkv, N, D, causal, opts, errs)
         out.append(errs)
@@ -285,44 +293,41 @@ def _gluon_vs_triton(gluon, opts, seed):
 
 @pytest.mark.parametrize("stages,pingpong", [(2, 0), (3, 0), (3, 1), (4, 0)])
 def test_dq_hopper_kernel(monkeypatch, stages, pingpong):
-    """The Gluon dQ kernel with the correction pass (dq_hopper.py, TUNE dq_hopper), alone and with the Gluon
+    """The Gluon dQ kernel with the correction pass (dq_hopper.py, pinned dq_kernel="gluon"), alone and with the Gluon
     dK/dV kernel, against the reference (the same tolerances) and against _bwd_dq_kernel (the same arithmetic;
     the dK/dV kernel reads the delta, LSE2 and dS scales it writes), causal and full, D 64 and 128, GQA, pow2
     scales; the invariant at 8K (D=128) and 2K (D=64). `pingpong`: the warpgroups take turns to issue their S and
-    dP MMAs (1) or not (0), at both head dims (launch.DQ_HOPPER_PINGPONG set here)."""
+    dP MMAs (1) or not (0), at both head dims (configs.DQ_HOPPER_PINGPONG set here)."""
     skip_unless_gluon_triton()
-    monkeypatch.setattr(KL, "DQ_HOPPER_PINGPONG", {64: pingpong, 128: pingpong})
+    monkeypatch.setattr(C, "DQ_HOPPER_PINGPONG", {64: pingpong, 128: pingpong})
     opts = dict(dq_hopper_stages=stages)
-    K.TUNE.update(dq_hopper=True, dkdv_hopper=False, **opts)
-    try:
+    with _variant(dq_kernel="gluon", dkdv_kernel="triton", **opts):
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False, scale_rounding="pow2")
-        K.TUNE["dkdv_hopper"] = True
+    with _variant(dq_kernel="gluon", dkdv_kernel="gluon", **opts):
         _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, causal=False)
         _compare(B=1, Hq=4, Hkv=2, N=1280, Dqk=64)
         res = _invariant(8192)
         res64 = _invariant(2048, D=64)
-    finally:
-        K.TUNE.clear()
     assert res["matching"] <= 1e-5 and res64["matching"] <= 1e-5
-    for errs in _gluon_vs_triton(dict(dq_hopper=True, dkdv_hopper=False), opts, seed=4):
+    for errs in _gluon_vs_triton(dict(dq_kernel="gluon", dkdv_kernel="triton"), opts, seed=4):
         assert max(errs) < 1e-3, errs
 
 
 def test_dkdv_hopper_loop_variants(monkeypatch):
     """The Gluon dK/dV kernel's loop variants against its plain loop (single tiles, the diagonal's mask tested per
-    tile, the scales loaded in the tile) on the same saved tensors: query tiles in pairs (TUNE dkdv_hopper_pairs:
+    tile, the scales loaded in the tile) on the same saved tensors: query tiles in pairs (pinned dkdv_pairs:
     the second tile of each 128-row dO8 quantization tile skips dv's rescale, whose factor c / c' is 1 up to the
-    division's rounding), the causal diagonal peeled off the loop (dkdv_hopper_peel) and the scales loaded a tile
-    ahead (launch.DKDV_HOPPER_AHEAD, set here). dQ is untouched by all; the peel and the loads ahead change no
+    division's rounding), the causal diagonal peeled off the loop (dkdv_peel) and the scales loaded a tile
+    ahead (configs.DKDV_HOPPER_AHEAD, set here). dQ is untouched by all; the peel and the loads ahead change no
     value (dK, dV bit-identical); pairs change dV by < 3e-3 and leave dK, dV as close to the reference backward
-    (fp32 products) as the plain loop. Dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups, 128-key programs; the
-    peel and the loads ahead with three too).
+    (fp32 products) as the plain loop. Dense causal MHA and GQA, the full mask, D 128 and 64 (two warpgroups,
+    128-key programs; the peel and the loads ahead with three too).
     Not packed batches: pairs and the peel are refused there (odd query-tile counts break pairs). The differences
     are printed."""
     skip_unless_gluon_triton()
-    pairs, peel, ahead = dict(dkdv_hopper_pairs=True), dict(dkdv_hopper_peel=True), dict(ahead=True)
-    monkeypatch.setattr(KL, "DKDV_HOPPER_PIPE", False)  # the pipelined dK MMA: test_dkdv_hopper_pipe
+    pairs, peel, ahead = dict(dkdv_pairs=True), dict(dkdv_peel=True), dict(ahead=True)
+    no_pipe = dict(dkdv_pipe=False)  # the pipelined dK MMA: test_dkdv_hopper_pipe
     causal_mha = [pairs, peel, ahead, {**pairs, **peel}, {**pairs, **ahead}, {**pairs, **peel, **ahead}]
     two, three = {64: (2, 240)}, {64: (3, 160)}  # D=64's MMA warpgroups (the last 192-key block of 1280 keys has
     # a warpgroup past the keys)
@@ -342,12 +347,11 @@ def test_dkdv_hopper_loop_variants(monkeypatch):
         def run(variant):
             variant = dict(variant)
             ahead = variant.pop("ahead", False)
-            monkeypatch.setattr(KL, "DKDV_HOPPER_AHEAD", {2: ahead, 3: ahead})
-            K.TUNE.update({"dkdv_hopper_pairs": False, "dkdv_hopper_peel": False, "dkdv_hopper_wgs": wgs, **variant})
-            try:
+            monkeypatch.setattr(C, "DKDV_HOPPER_AHEAD", {2: ahead, 3: ahead})
+            P.select.cache_clear()
+            with _variant({"dkdv_pairs": False, "dkdv_peel": False, "dkdv_hopper_wgs": wgs, **no_pipe,
+                         **variant}):
                 return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
-            finally:
-                K.TUNE.clear()
 
         plain = run({})
         to_ref_plain = [rel_err(b, a) for a, b in zip(plain, ref)]
@@ -357,7 +361,7 @@ def test_dkdv_hopper_loop_variants(monkeypatch):
             to_ref = [rel_err(b, a) for a, b in zip(grads, ref)]
             print("DKDV LOOP", (B, Hq, Hkv, N, D, causal), wgs, sorted(variant), "between", between,
                   "vs reference: plain", to_ref_plain, "variant", to_ref)
-            if variant.get("dkdv_hopper_pairs"):
+            if variant.get("dkdv_pairs"):
                 assert between[0] == 0.0 and between[1] == 0.0 and between[2] < 3e-3, between
                 for e_var, e_plain in zip(to_ref[1:], to_ref_plain[1:]):
                     assert e_var < 1.1 * e_plain + 1e-4, (to_ref, to_ref_plain)
@@ -367,18 +371,18 @@ def test_dkdv_hopper_loop_variants(monkeypatch):
 
 def test_dkdv_hopper_pipe():
     """The Gluon dK/dV kernel with each tile's dK MMA issued under the next tile's exponentials
-    (launch.DKDV_HOPPER_PIPE: two warpgroups, dense batches without GQA) against its plain loop on the same saved
+    (the plan's dkdv pipe: two warpgroups, dense batches without GQA) against its plain loop on the same saved
     tensors: the same operations in the same order, so dQ, dK and dV are bit-identical. D=128: the full mask, with
     a ring of 4 stages too, and the causal mask (the diagonal's peel and pairs before and in the pipeline); D=64
     with two warpgroups (TUNE dkdv_hopper_wgs), causal with and without the peel, and the full mask. Where the sm_90
-    ptxas is CUDA 13+ (Triton 3.9) the piped loop is the form with a fresh dP^T accumulator (launch.DKDV_HOPPER_PIPE;
+    ptxas is CUDA 13+ (Triton 3.9) the piped loop is the form with a fresh dP^T accumulator (configs.dkdv_hopper;
     the other form's dK was wrong there)."""
     skip_unless_gluon_triton()
     two = dict(dkdv_hopper_wgs=(2, 240))
     for (B, Hq, Hkv, N, D, causal), opts in (((1, 4, 4, 1024, 128, False), {}),
                                              ((1, 4, 4, 1024, 128, False), dict(dkdv_hopper_stages=4)),
                                              ((2, 4, 4, 2048, 128, True), {}), ((2, 4, 4, 1280, 64, True), two),
-                                             ((2, 4, 4, 1280, 64, True), dict(dkdv_hopper_peel=False, **two)),
+                                             ((2, 4, 4, 1280, 64, True), dict(dkdv_peel=False, **two)),
                                              ((1, 4, 4, 1280, 64, False), two)):
         q, k, v, do = _inputs(B, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=17)
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -386,12 +390,9 @@ def test_dkdv_hopper_pipe():
         f = R.forward(q, k, v, **kw)
 
         def run(pipe):
-            K.TUNE.update(opts, dkdv_hopper_pipe=pipe)
-            try:
-                assert KL._dkdv_hopper_cfg(D, causal=causal, groups=Hq // Hkv, packed=False)["pipe"] == pipe
+            with _variant(opts, dkdv_pipe=pipe):
+                assert _plan(q, k, v, kw).backward.dkdv_launch["pipe"] == pipe
                 return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
-            finally:
-                K.TUNE.clear()
 
         plain, piped = run(False), run(True)
         between = [rel_err(b, a) for a, b in zip(piped, plain)]
@@ -401,7 +402,7 @@ def test_dkdv_hopper_pipe():
 
 
 def test_dq_hopper_pipe(monkeypatch):
-    """The Gluon dQ kernel's pipelined second pass (launch.DQ_HOPPER_PIPE_FULL, the full mask: each tile's dQ MMA
+    """The Gluon dQ kernel's pipelined second pass (configs.DQ_HOPPER_PIPE_FULL, the full mask: each tile's dQ MMA
     issued with the next tile's S and dP) against its plain loop on the same saved tensors: the same tiles in the
     same order, the same rescales between them, so dQ, dK and dV are bit-identical. MHA and GQA, D 128 (with and
     without the ping-pong) and 64 (and 3 ring stages), one key tile."""
@@ -417,16 +418,14 @@ def test_dq_hopper_pipe(monkeypatch):
         ref = R.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
         tune = dict(opts)
         if "pingpong" in tune:
-            monkeypatch.setitem(KL.DQ_HOPPER_PINGPONG, D, tune.pop("pingpong"))
+            monkeypatch.setitem(C.DQ_HOPPER_PINGPONG, D, tune.pop("pingpong"))
 
         def run(pipe):
-            monkeypatch.setattr(KL, "DQ_HOPPER_PIPE_FULL", (64, 128) if pipe else ())
-            K.TUNE.update(dq_hopper=True, **tune)
-            try:
-                assert KL._dq_hopper_cfg(D, causal)["pipe"] == pipe
+            monkeypatch.setattr(C, "DQ_HOPPER_PIPE_FULL", (64, 128) if pipe else ())
+            P.select.cache_clear()
+            with _variant(dq_kernel="gluon", **tune):
+                assert _plan(q, k, v, kw).backward.dq_launch["pipe"] == pipe
                 return K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
-            finally:
-                K.TUNE.clear()
 
         plain, piped = run(False), run(True)
         monkeypatch.undo()
@@ -456,19 +455,13 @@ def test_hopper_packed(cu, D, tune):
         q, k, v, do = _inputs(1, Hq, Hkv, N, N, D, D, torch.bfloat16, seed=7)
         kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=cu_t, cu_seqlens_k=cu_t,
                   config=DeltaMatchConfig())
-        case = dict(fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=True, window=None, n=N, m=N,
-                    device=q.device, lse2_in=True, p_shift=8, packed=True)
         runs = {}
-        for name, opts in (("gluon", tune), ("triton", dict(hopper_packed=False))):
-            K.TUNE.update(opts)
-            try:  # the Gluon run must take the Gluon kernels, or the comparison proves nothing
-                assert KL._fwd_hopper(D, **{k_: case[k_] for k_ in ("fp8", "dqk", "dv", "block", "varlen", "window",
-                                                                    "n", "m", "device", "packed")}) \
-                    == KL._dkdv_hopper(D, **case) == KL._dq_hopper(D, stale=False, **case) == (name == "gluon")
+        for name, opts in (("gluon", tune), ("triton", TRITON)):
+            with _variant(opts):  # the Gluon run must take the Gluon kernels, or the comparison proves nothing
+                p, want = _plan(q, k, v, kw), "gluon" if name == "gluon" else "triton"
+                assert (p.forward.kernel, p.backward.dq, p.backward.dkdv) == (want,) * 3, p
                 f = K.forward(q, k, v, **kw)
                 runs[name] = (f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw))
-            finally:
-                K.TUNE.clear()
         (fg, gg), (ft, gt) = runs["gluon"], runs["triton"]
         print("GLUON PACKED FWD vs TRITON", cu, Hq, Hkv, rel_err(ft[0][:, :, :end], fg[0][:, :, :end]),
               (fg[1][:, :, :end] - ft[1][:, :, :end]).abs().max().item())
@@ -481,22 +474,16 @@ def test_hopper_packed(cu, D, tune):
         for t in (*fg[:1], *gg):
             assert torch.isfinite(t).all() and not t[:, :, end:].float().any()
         assert (fg[1][:, :, end:] == float("-inf")).all()
-    K.TUNE.update(tune)
-    try:
+    with _variant(tune):
         _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu)  # the Gluon path against the reference
-    finally:
-        K.TUNE.clear()
 
 
 def _fwd_bwd_under(tune, q, k, v, do, kw, **bwd_kw):
-    """K.forward then K.backward on the same inputs with kernels.TUNE set to `tune` for the call only: (forward
-    results, backward results)."""
-    K.TUNE.update(tune)
-    try:
+    """K.forward then K.backward on the same inputs with `tune` (_variant) for the call only: (forward results,
+    backward results)."""
+    with _variant(tune):
         f = K.forward(q, k, v, **kw)
         return f, K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw, **bwd_kw)
-    finally:
-        K.TUNE.clear()
 
 
 def _gluon_launches(monkeypatch, windows=None):
@@ -579,11 +566,12 @@ def _check_gluon_vs_triton(runs, what, tag, exact, lse_finite=False, same_stride
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("N", [8000, 1000, 200, 129])
 def test_hopper_ragged(N, D, causal, monkeypatch):
-    """Dense batches whose N is not a multiple of 128 on the Gluon kernels (launch.HOPPER_RAGGED: their packed
+    """Dense batches whose N is not a multiple of 128 on the Gluon kernels (the plan's ragged layout: their packed
     variant, each head one sequence in the rows the fp8 copies are padded to, ops._dense_layout; under the full mask
     the forward and dQ kernels mask the last key tile past N), B = 2 (a TMA tile past a head's end reads its zero
     rows, not the next head), GQA and MHA, causal and full:
-      - the Gluon forward, dQ and dK/dV kernels really launch, with the dense layout; with TUNE hopper_ragged off none;
+      - the Gluon forward, dQ and dK/dV kernels really launch, with the dense layout; with the Triton kernels pinned
+        none;
       - against the Triton kernels on the same inputs: the forward within the dense Gluon forward's 1e-3 (LSE 1e-4),
         the saved tensors bit for bit, the backward and the returned delta within the packed test's 1e-3 (or apart in
         isolated rows: _isolated_rows), all finite;
@@ -601,7 +589,7 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
         kw = dict(causal=causal, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=DeltaMatchConfig())
         runs = {}
-        for name, opts in (("gluon", dict(hopper_ragged=True)), ("triton", dict(hopper_ragged=False))):
+        for name, opts in (("gluon", {}), ("triton", TRITON)):
             calls.clear()
             runs[name] = _fwd_bwd_under(opts, q, k, v, do, kw, return_delta=True)
             if name == "gluon":  # the comparison proves nothing unless the Gluon kernels ran
@@ -613,7 +601,7 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
         _check_gluon_vs_triton(runs, "RAGGED", f"N{N} D{D} H{Hq}/{Hkv} {'causal' if causal else 'full'}",
                                _exact(q, k, v, do, causal), lse_finite=True)
     calls.clear()
-    # the default dispatch (launch.HOPPER_RAGGED on): the Gluon path (its own saved tensors) vs the reference. The
+    # the default dispatch (the plan's ragged layout): the Gluon path (its own saved tensors) vs the reference. The
     # dK/dV sums run over N queries through QGMMA's ~14-bit accumulation, so the kernels' distance to the fp32
     # reference grows with N: dK 1.06e-2 at N = 8000 on the H200 (the Triton kernels on the reference's saved
     # tensors; 6e-3 at N = 1000), hence 2e-2 there. Both stay 6.4e-2 from float64 (checked above).
@@ -622,17 +610,11 @@ def test_hopper_ragged(N, D, causal, monkeypatch):
 
 
 def test_hopper_ragged_fallbacks(monkeypatch):
-    """What a ragged dense batch does where the Gluon kernels do not take it, each against the reference: the full
-    mask with HOPPER_RAGGED_FULL off runs the Triton kernels; the stale delta the Gluon forward and the Triton
-    backward (the padded layout passes LSE2 and delta between the two Gluon kernels: both or neither); the
-    invariant's row sums the Triton backward."""
+    """What a ragged dense batch does where the Gluon backward does not take it, each against the reference: the
+    stale delta the Gluon forward and the Triton backward (the padded layout passes LSE2 and delta between the two
+    Gluon kernels: both or neither); the invariant's row sums the Triton backward."""
     skip_unless_gluon_triton()
     calls = _gluon_launches(monkeypatch)
-    monkeypatch.setattr(KL, "HOPPER_RAGGED", True)
-    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", False)
-    _compare(B=2, Hq=4, Hkv=2, N=1000, Dqk=128, causal=False)
-    assert calls == [], calls
-    monkeypatch.setattr(KL, "HOPPER_RAGGED_FULL", True)
     _compare(B=2, Hq=4, Hkv=2, N=1000, Dqk=128, delta="stale")
     assert {c for c, _ in calls} == {"fwd_hopper"}, calls
     calls.clear()
@@ -649,18 +631,15 @@ def test_hopper_ragged_fallbacks(monkeypatch):
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_fwd_hopper_kernel(stages):
-    """The Gluon forward (fwd_hopper.py, TUNE fwd_hopper; on at D 64 and 128) against the
+    """The Gluon forward (fwd_hopper.py, pinned fwd_kernel="gluon"; the default at D 64 and 128) against the
     reference (the same tolerances) and against _fwd_kernel on the same inputs (the same arithmetic): causal
     GQA and the full mask at D=128 and D=64, programs of three warpgroups (192 queries, which do not divide N, so
     the last block's rows past N are masked), rings of `stages` stages."""
     skip_unless_gluon_triton()
-    tune = dict(fwd_hopper=True, fwd_hopper_stages=stages)
-    K.TUNE.update(tune)
-    try:
+    tune = dict(fwd_kernel="gluon", fwd_hopper_stages=stages)
+    with _variant(tune):
         _compare(B=1, Hq=4, Hkv=2, N=2048, Dqk=128)
         _compare(B=2, Hq=2, Hkv=2, N=1024, Dqk=64, causal=False)
-    finally:
-        K.TUNE.clear()
     for B, Hq, Hkv, N, D, causal in ((2, 4, 2, 2048, 128, True), (1, 4, 4, 1024, 128, False),
                                      (1, 2, 2, 1280, 128, True), (1, 4, 4, 1024, 64, True),
                                      (2, 4, 2, 1280, 64, True), (1, 2, 2, 1152, 64, False)):
@@ -669,13 +648,10 @@ def test_fwd_hopper_kernel(stages):
                   config=DeltaMatchConfig())
         outs = {}
         for name, on in (("triton", False), ("gluon", True)):
-            K.TUNE.update(tune, fwd_hopper=on)
-            try:  # the Gluon run must not fall back to Triton, or the comparison proves nothing
-                assert KL._fwd_hopper(D, fp8=True, dqk=D, dv=D, block=128, varlen=False, window=None, n=N, m=N,
-                                     device=q.device) == on
+            # pinned: the Gluon run cannot fall back to Triton
+            with _variant(tune, fwd_kernel="gluon" if on else "triton"):
+                assert (_plan(q, k, v, kw).forward.kernel == "gluon") == on
                 outs[name] = K.forward(q, k, v, **kw)
-            finally:
-                K.TUNE.clear()
         err = rel_err(outs["triton"][0], outs["gluon"][0])
         lse_err = (outs["gluon"][1] - outs["triton"][1]).abs().max().item()
         print("GLUON FWD vs TRITON", B, Hq, Hkv, N, D, causal, stages, err, lse_err)
@@ -688,11 +664,11 @@ def test_fwd_hopper_kernel(stages):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "mla"])
 def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
-    """The Gluon forward at D=256 and MLA's Dqk=192 / Dv=128 (TUNE hopper_fwd_wide; launch.FWD_HOPPER_WIDE_DIMS, on
-    by default) on dense batches, GQA and MHA, causal and full, with the Triton backward (TUNE hopper_dkdv_wide off:
+    """The Gluon forward at D=256 and MLA's Dqk=192 / Dv=128 (configs.GLUON_WIDE_DIMS, on
+    by default) on dense batches, GQA and MHA, causal and full, with the Triton backward (pinned:
     test_dkdv_hopper_wide covers the Gluon dK/dV kernel there):
-      - with the key the Gluon forward launches and the backward runs the Triton dQ and dK/dV kernels; without it
-        nothing Gluon runs;
+      - pinned Gluon, the Gluon forward launches and the backward runs the Triton dQ and dK/dV kernels; pinned
+        Triton, nothing Gluon runs;
       - against the Triton forward on the same inputs: out within 1e-3 and LSE 1e-4 (test_fwd_hopper_kernel's bounds:
         the same 128-key steps and roundings), the saved q8, k8, v8 and scales bit for bit, so the Triton backward
         from either forward's saved tensors agrees within 1e-3 (it reads LSE, which differs by < 1e-4);
@@ -701,21 +677,19 @@ def test_fwd_hopper_wide(dims, causal, N, monkeypatch):
         within FP8_TOL, 2e-2 at N = 8192 (the QGMMA accumulation over N queries: test_hopper_ragged)."""
     skip_unless_gluon_triton()
     calls = _gluon_launches(monkeypatch)
-    triton_bwd = dict(hopper_dq_wide=False, hopper_dkdv_wide=False)  # the Triton backward after either forward
+    triton_bwd = dict(dq_kernel="triton", dkdv_kernel="triton")  # the Triton backward after either forward
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=13)
-        runs, launched = _runs_under(calls, dict(gluon=dict(triton_bwd, hopper_fwd_wide=True),
-                                                 triton=dict(triton_bwd, hopper_fwd_wide=False)), q, k, v, do, kw)
+        runs, launched = _runs_under(calls, dict(gluon=dict(triton_bwd, fwd_kernel="gluon"),
+                                                 triton=dict(triton_bwd, fwd_kernel="triton")), q, k, v, do, kw)
         # the comparison proves nothing unless the Gluon forward ran (dense: no segments), and only it
         assert launched == dict(gluon=[("fwd_hopper", None)], triton=[]), launched
         _check_gluon_vs_triton(runs, "WIDE FWD", tag, _exact(q, k, v, do, causal), lse_finite=True, same_strides=True,
                                capped=False)
     calls.clear()
-    K.TUNE.update(triton_bwd, hopper_fwd_wide=True)
-    try:  # the Gluon forward's own saved tensors through the Triton backward, against the reference
+    # the Gluon forward's own saved tensors through the Triton backward, against the reference
+    with _variant(triton_bwd, fwd_kernel="gluon"):
         _compare_wide(dims, causal, N)
-    finally:
-        K.TUNE.clear()
     assert [c for c, _ in calls] == ["fwd_hopper"], calls
 
 
@@ -751,25 +725,25 @@ def _runs_under(calls, tunes, q, k, v, do, kw, **bwd_kw):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "mla"])
 def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
-    """The Gluon dK/dV kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DKDV_HOPPER_WIDE_DIMS: dV and dK in two
-    launches) after the Triton dQ kernel (TUNE hopper_dq_wide off: test_dq_hopper_wide runs it after the Gluon one) on
+    """The Gluon dK/dV kernel at D=256 and MLA's Dqk=192 / Dv=128 (configs.GLUON_WIDE_DIMS: dV and dK in two
+    launches) after the Triton dQ kernel (pinned: test_dq_hopper_wide runs it after the Gluon one) on
     dense batches, GQA and MHA, causal and full:
-      - the Gluon forward and dK/dV kernels launch, and with TUNE hopper_dkdv_wide off only the forward;
+      - the Gluon forward and dK/dV kernels launch, and with the Triton dK/dV kernel pinned only the forward;
       - against the Triton dK/dV kernel on the same inputs and forward: the forward and dQ identical (the same
         kernels), dK within 1e-3 or apart in isolated rows (_check_gluon_vs_triton: the Triton kernel finds each dS
         tile's scale itself at these dims, the Gluon one reads the dQ kernel's, equal up to fp32 rounding), dV within
-        3e-3 where the query tiles go in pairs (launch.DKDV_HOPPER_PAIRS: the second skips dV's rescale; on the H200
+        3e-3 where the query tiles go in pairs (configs.dkdv_hopper's pairs: the second skips dV's rescale; on the H200
         2.4e-3 at N = 8192, the Gluon dV as close to float64 as the Triton one) and 1e-3 without them;
       - against exact float64 attention within 5 % + 1e-3 of the Triton kernels' errors, and against the reference
         backend (_compare) within FP8_TOL, 2e-2 at N = 8192."""
     skip_unless_gluon_triton()
     calls = _gluon_launches(monkeypatch)
-    triton_dq = dict(hopper_dq_wide=False)
+    triton_dq = dict(dq_kernel="triton")
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=19)
-        unpaired = dict(triton_dq, dkdv_hopper_pairs=False, dkdv_hopper_peel=False)
+        unpaired = dict(triton_dq, dkdv_pairs=False, dkdv_peel=False)
         runs, launched = _runs_under(calls, dict(gluon=triton_dq, unpaired=unpaired,
-                                                 triton=dict(triton_dq, hopper_dkdv_wide=False)), q, k, v, do, kw)
+                                                 triton=dict(triton_dq, dkdv_kernel="triton")), q, k, v, do, kw)
         for name in runs:
             assert launched[name] == [("fwd_hopper", None)] + ([("dkdv_hopper", None)] if name != "triton" else []), \
                 launched
@@ -780,11 +754,8 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
         _check_gluon_vs_triton(dict(gluon=runs["unpaired"], triton=runs["triton"]), "WIDE DKDV UNPAIRED", tag, exact,
                                lse_finite=True, same_strides=True, capped=False)
     calls.clear()
-    K.TUNE.update(triton_dq)
-    try:
+    with _variant(triton_dq):
         _compare_wide(dims, causal, N)
-    finally:
-        K.TUNE.clear()
     # one forward, then backwards from the reference's saved tensors and from the kernels' own
     assert [c for c, _ in calls] == ["fwd_hopper", "dkdv_hopper", "dkdv_hopper"], calls
 
@@ -793,10 +764,10 @@ def test_dkdv_hopper_wide(dims, causal, N, monkeypatch):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dims", [(256, 256), (192, 128)], ids=["d256", "mla"])
 def test_dq_hopper_wide(dims, causal, N, monkeypatch):
-    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DQ_HOPPER_WIDE_DIMS, HOPPER_DQ_WIDE: dQ's
+    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (configs.GLUON_WIDE_DIMS: dQ's
     columns in two launches, the second reading the first's delta) on dense batches, GQA and MHA, causal and full:
-      - by default the Gluon forward, dQ and dK/dV kernels launch, with TUNE hopper_dq_wide off the forward and dK/dV
-        only;
+      - by default the Gluon forward, dQ and dK/dV kernels launch, with the Triton dQ kernel pinned the forward and
+        dK/dV only;
       - against the Triton dQ kernel on the same inputs and forward (_check_gluon_vs_triton): dQ, dK, dV and delta
         within 1e-3 or apart in isolated rows: the same 128-key steps and roundings, in another order (dK and dV come
         from the same Gluon kernel in both runs, with the dS scales and LSE2 of either dQ kernel);
@@ -806,7 +777,7 @@ def test_dq_hopper_wide(dims, causal, N, monkeypatch):
     calls = _gluon_launches(monkeypatch)
     for Hq, Hkv in ((4, 2), (4, 4)):
         q, k, v, do, kw, tag = _wide_case(dims, causal, N, Hq, Hkv, seed=23)
-        runs, launched = _runs_under(calls, dict(gluon={}, triton=dict(hopper_dq_wide=False)),
+        runs, launched = _runs_under(calls, dict(gluon={}, triton=dict(dq_kernel="triton")),
                                      q, k, v, do, kw, return_delta=True)
         assert {name: [c for c, _ in got] for name, got in launched.items()} == dict(
             gluon=["fwd_hopper", "dq_hopper", "dkdv_hopper"], triton=["fwd_hopper", "dkdv_hopper"]), launched
@@ -828,11 +799,8 @@ def test_fwd_hopper_wide_stages(monkeypatch):
               config=DeltaMatchConfig())
     outs = []
     for stages in (2, 3):
-        K.TUNE.update(hopper_fwd_wide=True, fwd_hopper_stages=stages)
-        try:
+        with _variant(fwd_kernel="gluon", fwd_hopper_stages=stages):
             outs.append(K.forward(q, k, v, **kw)[:2])
-        finally:
-            K.TUNE.clear()
     assert [c for c, _ in calls] == ["fwd_hopper"] * 2, calls
     assert all(torch.isfinite(t).all() for t in outs[0])
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
@@ -841,16 +809,13 @@ def test_fwd_hopper_wide_stages(monkeypatch):
 @pytest.mark.parametrize("dkdv", [(8, 1), (8, 2)])
 def test_head_dim_256_configs_and_split_dkdv(dkdv):
     """D > 128 with the launch configs timed on the H200 and dK/dV split into a dV and a dK launch
-    (launch.DKDV_SPLIT_ABOVE): the same tolerances, causal and full, GQA, MLA's 192/128, and the stale delta."""
-    assert KL._dkdv_parts(192) == KL._dkdv_parts(256) == (1, 2)
-    K.TUNE.update(fwd=(64, 8, 3), dq=(128, 8, 1), dkdv=dkdv, hopper_fwd_wide=False, hopper_dq_wide=False,
-                  hopper_dkdv_wide=False)  # the Triton kernels, or these configs go unused
-    try:
+    (configs.DKDV_SPLIT_ABOVE): the same tolerances, causal and full, GQA, MLA's 192/128, and the stale delta."""
+    assert C.dkdv_parts(192) == C.dkdv_parts(256) == (1, 2)
+    with _variant(fwd=(64, 8, 3), dq=(128, 8, 1), dkdv=dkdv, fwd_kernel="triton", dq_kernel="triton",
+                dkdv_kernel="triton"):  # the Triton kernels, or these configs go unused
         _compare(B=1, Hq=2, Hkv=2, N=1024, Dqk=256)
         _compare(B=1, Hq=4, Hkv=2, N=1500, Dqk=256, causal=False)
         _compare(B=1, Hq=4, Hkv=1, N=1000, Dqk=192, Dv=128, delta="stale")
-    finally:
-        K.TUNE.clear()
 
 
 def test_head_dim_256_bf16_mode():
@@ -904,13 +869,10 @@ def test_tokens_outside_sequences_are_zero_and_tma_matches_pointers():
         results = []
         for tma in (True, False):
             # the Triton kernels' two paths (the Gluon ones take packed batches by default: test_hopper_packed)
-            K.TUNE.update(fwd_tma=tma, dq_tma=tma, hopper_packed=False)
-            try:
+            with _variant(fwd_tma=tma, dq_tma=tma, **TRITON):
                 assert KO._seq_info(q, k, cu, cu)[5]
                 out = K.forward(q, k, v, **kw)[:2]
                 grads = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
-            finally:
-                K.TUNE.clear()
             results.append([out[0][:, :, :2720], out[1][:, :, :2720], *grads])
         for a, b in zip(*results):
             assert torch.isfinite(a).all() and torch.equal(a, b)
@@ -929,14 +891,14 @@ def _window_mask(N, window, cu=None):
 
 
 def _gluon_vs_triton_window(q, k, v, do, kw, window, calls, windows):
-    """The Gluon kernels with TUNE["hopper_window"] on against the Triton kernels (off) on the same inputs, forward and
+    """The Gluon kernels against the Triton kernels (pinned) on the same inputs, forward and
     backward (with delta): ({name: (forward results, backward results)}, the Gluon run's launches). The Gluon run
     must launch the three Gluon kernels, each given the window; the Triton run none."""
     runs, launched = {}, []
     for name, on in (("gluon", True), ("triton", False)):
         calls.clear()
         windows.clear()
-        runs[name] = _fwd_bwd_under(dict(hopper_window=on), q, k, v, do, kw, return_delta=True)
+        runs[name] = _fwd_bwd_under({} if on else TRITON, q, k, v, do, kw, return_delta=True)
         if on:  # the comparison proves nothing unless the Gluon kernels ran, windowed
             assert [c for c, _ in calls] == ["fwd_hopper", "dq_hopper", "dkdv_hopper"], calls
             assert windows == [window] * 3, windows
@@ -950,7 +912,7 @@ def _gluon_vs_triton_window(q, k, v, do, kw, window, calls, windows):
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("N", [8192, 8000])
 def test_hopper_window(N, D, window, monkeypatch):
-    """Causal sliding windows on the Gluon kernels (launch.HOPPER_WINDOW / TUNE["hopper_window"]: HAS_WINDOW in
+    """Causal sliding windows on the Gluon kernels (HAS_WINDOW in
     fwd_hopper, dq_hopper, dkdv_hopper) at N = 8192 and a ragged N = 8000 (their padded variant), D 128 and 64, GQA
     and MHA, B = 2; windows of 128 (gpt-oss: shorter than a forward program's 192 queries), 1000 (edges mid-tile) and
     4096 (Mistral):
@@ -977,11 +939,8 @@ def test_hopper_window(N, D, window, monkeypatch):
                                _exact(q, k, v, do, True, mask))
     calls.clear()
     windows.clear()
-    K.TUNE.update(hopper_window=True)
-    try:
+    with _variant():
         _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=D, window=window, tol=2e-2)
-    finally:
-        K.TUNE.clear()
     assert [c for c, _ in calls].count("fwd_hopper") == 1 and "dkdv_hopper" in [c for c, _ in calls], calls
     assert windows == [window] * len(calls), windows
 
@@ -989,18 +948,15 @@ def test_hopper_window(N, D, window, monkeypatch):
 @pytest.mark.parametrize("window", [128, 4096])
 @pytest.mark.parametrize("N", [8192, 8000])
 def test_hopper_window_backward_after_triton_forward(N, window, monkeypatch):
-    """The Triton forward with the Gluon backward on a causal window (TUNE hopper_window on, fwd_hopper off: the
+    """The Triton forward with the Gluon backward on a causal window (the Triton forward pinned: the
     pairing docs/kernels.md proposes for large windows, whose Gluon forward is the slower one): only dq_hopper and
     dkdv_hopper launch, each given the window, and the result agrees with the reference backend as the all-Gluon
     path does (test_hopper_window's bound), D=128, GQA 4/2, N = 8192 and the padded variant's N = 8000."""
     skip_unless_gluon_triton()
     windows = []
     calls = _gluon_launches(monkeypatch, windows)
-    K.TUNE.update(hopper_window=True, fwd_hopper=False)
-    try:
+    with _variant(fwd_kernel="triton"):
         _compare(B=2, Hq=4, Hkv=2, N=N, Dqk=128, window=window, tol=2e-2)
-    finally:
-        K.TUNE.clear()
     assert "fwd_hopper" not in [c for c, _ in calls] and {"dq_hopper", "dkdv_hopper"} <= {c for c, _ in calls}, calls
     assert windows == [window] * len(calls), windows
 
@@ -1008,7 +964,7 @@ def test_hopper_window_backward_after_triton_forward(N, window, monkeypatch):
 @pytest.mark.parametrize("window", [128, 300])
 @pytest.mark.parametrize("D", [128, 64])
 def test_hopper_window_packed(D, window, monkeypatch):
-    """Causal sliding windows on the Gluon kernels' packed batches (kernels/segments.py; launch.HOPPER_WINDOW):
+    """Causal sliding windows on the Gluon kernels' packed batches (kernels/segments.py):
     sequences of 1000, 1 (each window restarts at its sequence's start), 1999 and 1096 tokens, GQA and MHA, D 128 and
     64: _gluon_vs_triton_window and _check_gluon_vs_triton (exact attention with the window's mask inside each
     sequence), then the switch on through _compare against the reference backend."""
@@ -1026,11 +982,8 @@ def test_hopper_window_packed(D, window, monkeypatch):
         assert all(seg is not None for _, seg in launched), launched  # the packed batches' padded layout
         _check_gluon_vs_triton(runs, "WINDOW", f"packed D{D} H{Hq}/{Hkv} window {window}",
                                _exact(q, k, v, do, True, mask))
-    K.TUNE.update(hopper_window=True)
-    try:
+    with _variant():
         _compare(B=1, Hq=4, Hkv=2, N=N, Dqk=D, cu=cu, window=window)
-    finally:
-        K.TUNE.clear()
 
 
 @pytest.mark.parametrize("case", ["d128-gqa", "window128", "d256", "ragged1000"])

@@ -265,18 +265,18 @@ def test_stale_delta(backend, tensor):
 
 def test_tma_only_where_no_tile_crosses_a_sequence_end():
     """On a varlen batch a TMA tile past a sequence's end reads the next sequence's tokens, where a NaN would reach
-    the MMAs as 0 x NaN: the kernels read it through TMA only where every sequence is whole tiles (_whole_tiles)."""
+    the MMAs as 0 x NaN: the kernels read it through TMA only where every sequence is whole tiles (Seqs.whole_tiles)."""
     from hf_deltamatch.kernels import ops as K
 
     z = torch.zeros(1, 1, 256, 64)
     cu = lambda *c: torch.tensor(c, dtype=torch.int32)  # noqa: E731
-    cut = K._seq_facts(z, z, cu(0, 112, 256), cu(0, 112, 256))[7]
-    assert not K._whole_tiles(cut, keys=128) and not K._whole_tiles(cut, queries=64)
-    whole = K._seq_facts(z, z, cu(0, 128, 256), cu(0, 64, 256))[7]
-    assert K._whole_tiles(whole, queries=128) and K._whole_tiles(whole, keys=64)
-    assert not K._whole_tiles(whole, keys=128)
-    assert not K._whole_tiles(K._seq_facts(z[:, :, :200], z, None, None)[7], queries=64)
-    assert K._whole_tiles(K._seq_facts(z[:, :, :192], z, None, None)[7], queries=64, keys=128)
+    cut = K.sequences(z, z, cu(0, 112, 256), cu(0, 112, 256))[1]
+    assert not cut.whole_tiles(keys=128) and not cut.whole_tiles(queries=64)
+    whole = K.sequences(z, z, cu(0, 128, 256), cu(0, 64, 256))[1]
+    assert whole.whole_tiles(queries=128) and whole.whole_tiles(keys=64)
+    assert not whole.whole_tiles(keys=128)
+    assert not K.sequences(z[:, :, :200], z)[1].whole_tiles(queries=64)
+    assert K.sequences(z[:, :, :192], z)[1].whole_tiles(queries=64, keys=128)
 
 
 @pytest.mark.parametrize("tensor", ["q", "v"])
@@ -298,14 +298,11 @@ def test_dense_tail_tiles_read_zeros_not_the_next_head(tensor):
         f = K.forward(q, k, v, **kw)
         return (*f[:2], *K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)), f[2:5]
 
-    K.TUNE.update(fwd_tma=True, dq_tma=True)
-    try:
+    with K.pinned(fwd_tma=True, dq_tma=True):
         clean, saved = run(q, v)
         poisoned = {"q": q.clone(), "v": v.clone()}
         poisoned[tensor][0, 1, 10, 3] = NAN
         bad, _ = run(poisoned["q"], poisoned["v"])
-    finally:
-        K.TUNE.clear()
     for a, b in zip(clean, bad):
         assert torch.equal(a[:, 0], b[:, 0]) and torch.isfinite(a[:, 0]).all()
     assert not torch.isfinite(bad[2][:, 1]).all()  # dq of head 1
@@ -354,7 +351,7 @@ _GPU_LAYOUTS = {
     "full512": dict(B=1, Hq=4, Hkv=2, N=512, D=128, causal=False),
     "packed512": dict(B=1, Hq=4, Hkv=2, N=512, D=128, causal=True, cu=(0, 208, 336, 512)),
     # N not a multiple of 128: the last key tile reads past each head's end, into the zero rows its fp8 copies are
-    # padded with (the Gluon kernels: their packed variant, launch.HOPPER_RAGGED)
+    # padded with (the Gluon kernels: their packed variant, the plan's ragged layout)
     "tail200": dict(B=2, Hq=4, Hkv=2, N=200, D=128, causal=True),
     "full200": dict(B=2, Hq=4, Hkv=2, N=200, D=128, causal=False),
     "window256": dict(B=2, Hq=4, Hkv=2, N=256, D=128, causal=True, window=100),  # Triton only
@@ -386,26 +383,17 @@ def _gpu_spots(layout):
 
 def _gpu_check(layout, kernels, precision, tensor):
     from hf_deltamatch import kernels as K
-    from hf_deltamatch.kernels import launch
 
     c = Case(**_GPU_LAYOUTS[layout], device="cuda")
     clean, bad, must, may = _poison(c, tensor, _gpu_spots(layout), precision)
-    gluon = dict(fwd_hopper=kernels == "gluon", dq_hopper=kernels == "gluon", dkdv_hopper=kernels == "gluon",
-                 hopper_ragged=kernels == "gluon")
-    K.TUNE.update(gluon)
     try:
-        if kernels == "gluon":  # the Gluon kernels run only where launch._hopper_case says (Triton 3.6, sm_90)
-            cu = c.cu is not None
-            ok = launch._hopper_case(fp8=precision == "fp8", e4m3=True, dqk=c.D, dv=c.D, block=128, varlen=cu,
-                                     window=None, n=c.N, m=c.N, device=torch.device("cuda"),
-                                     lse2_in=launch._dkdv_lse2(c.D), p_shift=launch._dkdv_p_shift(c.D, True), packed=cu,
-                                     causal=c.causal)
-            if not ok:
-                pytest.skip("the Gluon kernels do not take this input on this GPU/Triton (launch._hopper_case)")
-        base = c.run(clean["q"], clean["k"], clean["v"], clean["do"], "triton", precision)
-        out = c.run(bad["q"], bad["k"], bad["v"], bad["do"], "triton", precision)
-    finally:
-        K.TUNE.clear()
+        with K.pinned(fwd_kernel=kernels, dq_kernel=kernels, dkdv_kernel=kernels):
+            base = c.run(clean["q"], clean["k"], clean["v"], clean["do"], "triton", precision)
+            out = c.run(bad["q"], bad["k"], bad["v"], bad["do"], "triton", precision)
+    except ValueError as e:  # the Gluon kernels run only where the plan says (kernels/plan.py)
+        if kernels == "gluon" and "does not take this input" in str(e):
+            pytest.skip(f"the Gluon kernels do not take this input on this GPU/Triton: {e}")
+        raise
     _check(base, out, must, may, (layout, kernels, precision, tensor))
 
 

@@ -66,7 +66,7 @@ def test_quantization_pass_is_bit_identical_to_the_unfused_transform(option, lay
 @pytest.mark.parametrize("option", ["hadamard", "both"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_rotation_pass_with_several_tiles_per_program(option, layout, monkeypatch):
-    """The rotation's launch with 3 tiles per program (launch.QUANTIZE_ROTATE_TILES; the H200's launches at small
+    """The rotation's launch with 3 tiles per program (configs.QUANTIZE_ROTATE_TILES; the H200's launches at small
     shapes take 1): R loaded once, the tiles in a loop; the last program's tiles run past the head's (dense: 5 tiles
     of 64), the sequence's (varlen: 2 of 128) or the list's end (tiles, padded: 5 listed). The padded layout without
     its token-major copy, which keeps one tile per program (quantize._launch)."""
@@ -78,17 +78,17 @@ def test_rotation_launch_config(monkeypatch):
     """Tiles per program: QUANTIZE_ROTATE_TILES where the grid keeps a program per SM (B2 H16 N8192: 2048 tiles of
     128 over the H200's 132 SMs), fewer below, one on a small batch and above D=128; TUNE overrides, and a bad
     override is refused."""
-    from hf_deltamatch.kernels import launch
+    from hf_deltamatch.kernels import configs
 
-    assert launch._quantize_rotate_cfg(2048, 128, "cpu") == (8, 8, 3)
-    assert launch._quantize_rotate_cfg(600, 128, "cpu") == (4, 8, 3)
-    assert launch._quantize_rotate_cfg(256, 128, "cpu")[0] == 1
-    assert launch._quantize_rotate_cfg(2048, 256, "cpu") == (1, 8, 1)  # R and 3 tiles would not fit shared memory
+    assert configs.quantize_rotate(2048, 128, "cpu") == (8, 8, 3)
+    assert configs.quantize_rotate(600, 128, "cpu") == (4, 8, 3)
+    assert configs.quantize_rotate(256, 128, "cpu")[0] == 1
+    assert configs.quantize_rotate(2048, 256, "cpu") == (1, 8, 1)  # R and 3 tiles would not fit shared memory
     monkeypatch.setitem(kernels.TUNE, "quantize_rotate", (1, 8, 1))
-    assert launch._quantize_rotate_cfg(2048, 128, "cpu") == (1, 8, 1)
+    assert configs.quantize_rotate(2048, 128, "cpu") == (1, 8, 1)
     monkeypatch.setitem(kernels.TUNE, "quantize_rotate", (0, 8, 3))
     with pytest.raises(ValueError, match="tiles per program"):
-        launch._quantize_rotate_cfg(2048, 128, "cpu")
+        configs.quantize_rotate(2048, 128, "cpu")
 
 
 def _check_quantization_pass(option, layout, token_major=True):
@@ -124,8 +124,8 @@ def _packing(q, cu):
     """(cu_seqlens, packing) as ops.forward hands them to _quantize_segments (None, None for a dense batch)."""
     if cu is None:
         return None, None
-    facts = ops._seq_facts(q, q, cu, cu)
-    return facts[3], facts[6]
+    vl, seqs = ops.sequences(q, q, cu, cu)
+    return vl.cu_q, seqs.packing
 
 
 @pytest.mark.parametrize("profile", ["qk-outliers", "k-bias"])
@@ -315,13 +315,14 @@ def test_rotation_tiles_per_program_on_the_gpu(packed, monkeypatch):
     q, k, _, _ = diagnostics.make_inputs("qk-outliers", batch=1 if packed else 2, heads=16, n=8192, d=128,
                                          device="cuda")
     r_q, r_k, means, _ = outliers.fused_args(q, k, "hadamard", True, cu)
-    facts = ops._seq_facts(q, k, cu, cu)
-    seg = ops._quantize_segments(facts[3], facts[6], 128) if packed else None
+    vl, seqs = ops.sequences(q, k, cu, cu)
+    cu_q = vl.cu_q if vl is not None else None
+    seg = ops._quantize_segments(cu_q, seqs.packing, 128) if packed else None
 
     def run():
         got = []
         for x, kw in ((q, dict(rotation=r_q)), (k, dict(rotation=r_k, means=means))):
-            got += quantize(x, 128, cu_seqlens=facts[3], max_len=facts[1], segments=seg, **kw)
+            got += quantize(x, 128, cu_seqlens=cu_q, max_len=seqs.max_n, segments=seg, **kw)
             if packed:
                 got += [t for pair in quantize_padded(x, seg, **kw) for t in pair]
         return [t for t in got if t is not None]
@@ -353,11 +354,12 @@ def test_fused_transforms_on_the_gpu(packed):
                                           d=128, device="cuda")
     r_q, r_k, means, _ = outliers.fused_args(q, k, "hadamard", True, cu)
     q_ref, k_ref, _ = outliers.transform_qk(q, k, "hadamard", True, cu)
-    facts = ops._seq_facts(q, k, cu, cu)
-    seg = ops._quantize_segments(facts[3], facts[6], 128) if packed else None
+    vl, seqs = ops.sequences(q, k, cu, cu)
+    cu_q = vl.cu_q if vl is not None else None
+    seg = ops._quantize_segments(cu_q, seqs.packing, 128) if packed else None
     for x, x_ref, kw in ((q, q_ref, dict(rotation=r_q)), (k, k_ref, dict(rotation=r_k, means=means))):
-        y, _, s = quantize(x, 128, cu_seqlens=facts[3], max_len=facts[1], segments=seg, **kw)
-        y_ref, _, s_ref = quantize(x_ref, 128, cu_seqlens=facts[3], max_len=facts[1], segments=seg)
+        y, _, s = quantize(x, 128, cu_seqlens=cu_q, max_len=seqs.max_n, segments=seg, **kw)
+        y_ref, _, s_ref = quantize(x_ref, 128, cu_seqlens=cu_q, max_len=seqs.max_n, segments=seg)
         _assert_fp8_close(y, y_ref, 1e-3)
         torch.testing.assert_close(s, s_ref, rtol=2.0 ** -8, atol=0)
         if packed:

@@ -14,7 +14,8 @@ def test_padded_layout_rows():
     (hf_deltamatch._varlen); tokens outside every sequence (before cu[0], from cu[-1] on) have no row."""
     cu = torch.tensor([3, 8, 8, 143, 303], dtype=torch.int32)  # lengths 5, 0, 135, 160
     z = torch.zeros(1, 1, 320, 16)
-    nseq, max_n, _, cu_q, _, _, packing = KO._seq_info(z, z, cu, cu)
+    vl, seqs = KO.sequences(z, z, cu, cu)
+    nseq, max_n, cu_q, packing = seqs.nseq, seqs.max_n, vl.cu_q, seqs.packing
     assert (nseq, max_n, packing) == (3, 160, (3, 303, 128 + 256 + 256))
     assert cu_q.tolist() == [3, 8, 143, 303]
     seg = S.padded_layout(cu_q, *packing)
@@ -28,7 +29,7 @@ def test_padded_layout_rows():
     # a key sequence that differs from the query one: no packing (the Gluon kernels need self-attention)
     other = cu.clone()
     other[2] += 1
-    assert KO._seq_info(z, z, cu, other)[6] is None
+    assert KO.sequences(z, z, cu, other)[1].packing is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float32, torch.bfloat16])
@@ -37,7 +38,7 @@ def test_pad_copies_every_token_and_fills_the_rest(dtype):
     cu = torch.tensor([0, 70, 70, 300], dtype=torch.int32)
     N = 310  # tokens 300 .. 309 belong to no sequence
     z = torch.zeros(1, 1, N, 16)
-    seg = S.padded_layout(cu, *KO._seq_info(z, z, cu, cu)[6])
+    seg = S.padded_layout(cu, *KO.sequences(z, z, cu, cu)[1].packing)
     assert seg.npad == 128 + 256
     x = torch.randn(1, 3, N, 16, generator=g).to(dtype)
     y = S.pad(x, seg)
@@ -65,7 +66,7 @@ def test_quantize_by_tile_list_equals_the_sequence_grid():
     cu = torch.tensor([3, 5, 5, 140, 300], dtype=torch.int32)
     x = torch.randn(1, 2, 310, 64, generator=g).to(torch.bfloat16)
     z = torch.zeros(1, 1, 310, 16)
-    seg = S.padded_layout(cu, *KO._seq_info(z, z, cu, cu)[6])
+    seg = S.padded_layout(cu, *KO.sequences(z, z, cu, cu)[1].packing)
     a = quantize(x, 128, cu_seqlens=cu, max_len=160, transposed=True)
     b = quantize(x, 128, cu_seqlens=cu, max_len=160, transposed=True, segments=seg)
     for u, v in zip(a, b):
@@ -88,7 +89,7 @@ def test_quantize_padded_equals_quantize_then_pad(fmt, fused, monkeypatch):
     cu = torch.tensor([3, 8, 8, 143, 303], dtype=torch.int32)  # lengths 5, 0, 135, 160; tokens outside on both ends
     x = torch.randn(1, 2, 310, 64, generator=g).to(torch.bfloat16) * 3
     z = torch.zeros(1, 1, 310, 16)
-    seg = S.padded_layout(cu, *KO._seq_info(z, z, cu, cu)[6])
+    seg = S.padded_layout(cu, *KO.sequences(z, z, cu, cu)[1].packing)
     y, _, scale = quantize(x, 128, fmt, cu_seqlens=cu, max_len=160)
     want = (S.pad(y, seg), token_major(y, k_order=True, src=seg.src), S.pad(scale, seg, 1.0))
     (py_, ps_), got = quantize_padded(x, seg, fmt, row_major=True, token_major=True)
@@ -110,7 +111,7 @@ def test_quantize_padded_equals_quantize_then_pad(fmt, fused, monkeypatch):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-token-major", "token-major-copy"])
 @pytest.mark.parametrize("N", [200, 129, 100])
 def test_dense_ragged_batch_is_its_own_padded_layout(N, fused, monkeypatch):
-    """A dense batch whose N is not a multiple of 128 takes the Gluon kernels' packed variant (launch.HOPPER_RAGGED)
+    """A dense batch whose N is not a multiple of 128 takes the Gluon kernels' packed variant (the plan's ragged layout)
     with each head one sequence of N tokens (ops._dense_layout) in the rows quantize() gives it (N rounded up to
     128, zeros past N): _padded_view of q8, k8, v8 and dO8 is, without a copy, what segments.pad makes of them, and
     quantize_padded (the forward's V, the backward's dO; B > 1 here, where packed batches have B = 1) writes the bytes

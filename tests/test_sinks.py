@@ -377,7 +377,8 @@ def test_unpad_rows_inverts_pad():
 
     cu = torch.tensor([3, 8, 8, 143, 303], dtype=torch.int32)
     z = torch.zeros(1, 1, 310, 16)
-    seg = S.padded_layout(*K._seq_info(z, z, cu, cu)[3:4], *K._seq_info(z, z, cu, cu)[6])
+    vl, seqs = K.sequences(z, z, cu, cu)
+    seg = S.padded_layout(vl.cu_q, *seqs.packing)
     x = torch.randn(2, 3, 310)
     back = K._unpad_rows(S.pad(x, seg, float("-inf")), seg, torch.full_like(x, 7.0))
     assert torch.equal(back[:, :, 3:303], x[:, :, 3:303])

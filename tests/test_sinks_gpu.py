@@ -27,7 +27,6 @@ from _gluon import skip_unless_gluon_triton  # noqa: E402
 
 if torch.cuda.is_available():
     from hf_deltamatch import kernels as K
-    from hf_deltamatch.kernels import launch as KL
 
 FP8_TOL, BF16_TOL = 1e-2, 2e-3
 
@@ -105,12 +104,10 @@ def test_packed_gluon_delta_is_the_triton_one(D, monkeypatch):
               config=DeltaMatchConfig())
     out, lse, *saved = K.forward(q, k, v, **kw)
     out, lse = R.apply_sinks(out, lse, sinks)
-    case = dict(fp8=True, e4m3=True, dqk=D, dv=D, block=128, varlen=True, window=None, n=2720, m=2720,
-                device=q.device, lse2_in=True, p_shift=8, packed=True)
-    assert KL._dkdv_hopper(D, **case) and KL._dq_hopper(D, stale=False, **case)  # the Gluon path really runs
-    gluon = K.backward(do, q, k, v, out, lse, *saved, **kw, return_delta=True)[-1]
-    monkeypatch.setitem(K.TUNE, "hopper_packed", False)
-    triton_ = K.backward(do, q, k, v, out, lse, *saved, **kw, return_delta=True)[-1]
+    with K.pinned(dq_kernel="gluon", dkdv_kernel="gluon"):  # the Gluon path really runs (or the pin raises)
+        gluon = K.backward(do, q, k, v, out, lse, *saved, **kw, return_delta=True)[-1]
+    with K.pinned(dq_kernel="triton", dkdv_kernel="triton"):
+        triton_ = K.backward(do, q, k, v, out, lse, *saved, **kw, return_delta=True)[-1]
     ref = R.backward(do, q, k, v, out, lse, *saved, **kw, return_delta=True)[-1]
     print(f"PACKED DELTA D{D}: gluon vs triton {rel_err(triton_, gluon):.3g}, vs reference {rel_err(ref, gluon):.3g}")
     assert rel_err(triton_, gluon) < 1e-3 and rel_err(ref, gluon) < FP8_TOL

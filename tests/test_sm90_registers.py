@@ -57,10 +57,10 @@ def _compile(*args, timeout=600) -> str:
 
 
 def _record(loop: str) -> str:
-    """stdout of `loop` run in a subprocess after `import sm90_registers as S`, `launch` and `cases =
-    S.default_cases()` (record_launches fakes the H200's sm_90 and Triton 3.6 there)."""
+    """stdout of `loop` run in a subprocess after `import sm90_registers as S`, `from hf_deltamatch.kernels import
+    configs, plan` and `cases = S.default_cases()` (record_launches answers as on the H200's sm_90 and Triton 3.6)."""
     code = ("import sys; sys.path.insert(0, 'benchmarks'); import sm90_registers as S\n"
-            "from hf_deltamatch.kernels import launch\n"
+            "from hf_deltamatch.kernels import configs, plan\n"
             "cases = S.default_cases()\n" + loop)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), cwd=ROOT,
                          timeout=600)
@@ -94,9 +94,9 @@ def test_gluon_kernels_compile_for_sm90_on_the_cpu(variant):
     properties their speed on the H200 rests on (docs/kernels.md). Known exceptions with Triton 3.9: the
     three-warpgroup forward at D=128 spills (16 bytes dense, 136 packed), and the dK/dV kernel 48 bytes since its
     accumulator units carry a running max (with Triton 3.6 on the H200 its fwd+bwd time did not change:
-    benchmarks/results/2026-12-01-stress). The Gluon kernels run with the Tritons of launch.GLUON_TRITON_VERSIONS
-    only; the bounds keep the 3.9 spills from growing unseen. The dK/dV kernel's MMA operands are checked tile by
-    tile (sm90_registers.check_dkdv_operands) with the options launch.py picks for this Triton's ptxas."""
+    docs/kernels.md). The Gluon kernels run with the Triton releases of kernels/toolchain.py only; the bounds keep the
+    3.9 spills from growing unseen. The dK/dV kernel's MMA operands are checked tile by tile
+    (sm90_registers.check_dkdv_operands) with the options the plan picks for this Triton's ptxas."""
     import triton
     stdout = _compile("--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd", "--operands", *variant)
     rows = [ln for ln in stdout.splitlines() if ln.startswith("{")]
@@ -157,14 +157,14 @@ def test_dkdv_operand_check_on_hand_written_tiles():
 
 @pytest.mark.parametrize("form", ["on", "fresh"])
 def test_pipelined_dkdv_operands_by_ptxas(form):
-    """The dK/dV kernel's pipelined dK MMA (TUNE dkdv_hopper_pipe) compiled for sm_90 on the full mask at D=128 with
+    """The dK/dV kernel's pipelined dK MMA (plan pin dkdv_pipe) compiled for sm_90 on the full mask at D=128 with
     the installed Triton. Its first form (dP^T's MMA into the registers that carried dS^T) checks out with a CUDA 12
-    ptxas (Triton 3.6, 3.7) and not with CUDA 13's (Triton 3.9), which is why launch.py uses the second there (a
+    ptxas (Triton 3.6, 3.7) and not with CUDA 13's (Triton 3.9), which is why the plan uses the second there (a
     fresh dP^T accumulator), which checks out with both, and no serialized wgmma. Should a later ptxas compile the
-    first form right, this fails and launch.DKDV_HOPPER_PIPE_PTXAS_BELOW can go."""
-    from hf_deltamatch.kernels import launch
+    first form right, this fails and toolchain.PIPE_PTXAS_BELOW can go."""
+    from hf_deltamatch.kernels import toolchain
     stdout = _compile("--d", "128", "--full", "--kernels", "hopper", "--operands", "--dkdv-pipe", form)
-    broken = form == "on" and launch._sm90_ptxas_major() >= launch.DKDV_HOPPER_PIPE_PTXAS_BELOW
+    broken = form == "on" and toolchain.sm90_ptxas_major() >= toolchain.PIPE_PTXAS_BELOW
     assert ("operands: WRONG" if broken else "operands: ok") in stdout, stdout
     if form == "fresh":
         assert "wgmma serialized: no" in stdout, stdout
@@ -187,50 +187,49 @@ def test_quantization_pass_with_the_outlier_transforms_compiles_for_sm90():
 def test_hash_records_the_default_launches():
     """--hash's launch recorder (record_launches) catches what ops.forward / ops.backward launch, without a GPU:
     the Gluon kernels for their case (D=128, N = 8192, fp8, on the H200's sm_90 with Triton 3.6), the Triton dQ
-    kernel for the stale delta there, at N = 8000 the Gluon kernels' packed variant (VARLEN) by default and the Triton
-    kernels with TUNE["hopper_ragged"] off, causal and full, with the Triton backward there for the stale delta (the
-    padded layout: both Gluon kernels or neither), the Triton kernels in bf16, and at D=256 dK/dV in two launches of
-    the Gluon kernel (dV, then dK) after the Triton dQ kernel (the case pins it: TUNE hopper_dq_wide off); with the
-    constexprs the kernels get."""
+    kernel for the stale delta there, at N = 8000 the Gluon kernels' padded variant (VARLEN) by default and the Triton
+    kernels where pinned, causal and full, with the Triton backward there for the stale delta (the padded layout: both
+    Gluon kernels or neither), the Triton kernels in bf16, and at D=256 dK/dV in two launches of the Gluon kernel
+    (dV, then dK) after the Triton forward and dQ kernels where those are pinned; with the constexprs the kernels
+    get."""
     stdout = _record(
-        "for ragged in (False, True):\n"
-        "    launch.TUNE.clear() if ragged else launch.TUNE.update(hopper_ragged=False)\n"
-        "    for name in ('d128-causal-h4:4-n8192-fp8-matching', 'd128-causal-h4:4-n8192-fp8-stale',\n"
-        "                 'd128-full-h16:4-n8000-fp8-matching', 'd64-causal-h4:4-n8000-bf16-matching',\n"
-        "                 'd256-causal-fp8', 'd128-causal-h16:4-n8000-fp8-matching',\n"
-        "                 'd64-causal-h4:4-n8000-fp8-stale'):\n"
-        "        print(('ragged:' if ragged else '') + name,\n"
-        "              [(S.KERNELS[fn.__name__], cx.get('PART'), cx.get('FP8'), cx.get('VARLEN'))\n"
-        "               for fn, cx, *_ in S.record_launches(cases[name])])\n"
+        "triton = {'pins': dict(fwd_kernel='triton', dq_kernel='triton', dkdv_kernel='triton')}\n"
+        "for name in ('d128-causal-h4:4-n8192-fp8-matching', 'd128-causal-h4:4-n8192-fp8-stale',\n"
+        "             'd128-full-h16:4-n8000-fp8-matching', 'd64-causal-h4:4-n8000-bf16-matching',\n"
+        "             'd256-causal-triton-fwd-dq', 'd128-causal-h16:4-n8000-fp8-matching',\n"
+        "             'd64-causal-h4:4-n8000-fp8-stale'):\n"
+        "    for tag, case in (('', cases[name]), ('triton:', {**cases[name], **triton})):\n"
+        "        print(tag + name, [(S.KERNELS[fn.__name__], cx.get('PART'), cx.get('FP8'), cx.get('VARLEN'))\n"
+        "                           for fn, cx, *_ in S.record_launches(case)])\n"
     )
     got = dict(ln.split(" ", 1) for ln in stdout.splitlines())
     # (kernel, PART, FP8, VARLEN): the Gluon kernels have no FP8 constexpr, the Triton ones no VARLEN here
     gluon_dense = [("hopper_fwd", None, None, False), ("hopper_dq", None, None, False), ("hopper", 0, None, False)]
     gluon_padded = [("hopper_fwd", None, None, True), ("hopper_dq", None, None, True), ("hopper", 0, None, True)]
     triton_fp8 = [("fwd", None, True, False), ("dq", None, True, False), ("dkdv", 0, True, False)]
+    triton_bf16 = [("fwd", None, False, False), ("dq", None, False, False), ("dkdv", 0, False, False)]
     assert got["d128-causal-h4:4-n8192-fp8-matching"] == str(gluon_dense)
     assert got["d128-causal-h4:4-n8192-fp8-stale"] == str([gluon_dense[0], triton_fp8[1], gluon_dense[2]])
-    assert got["d64-causal-h4:4-n8000-bf16-matching"] == str([("fwd", None, False, False), ("dq", None, False, False),
-                                                             ("dkdv", 0, False, False)])
-    assert got["d256-causal-fp8"] == str([*triton_fp8[:2], ("hopper", 1, None, False), ("hopper", 2, None, False)])
-    # N = 8000: the Gluon kernels' packed variant by default (launch.HOPPER_RAGGED), the Triton kernels with
-    # TUNE["hopper_ragged"] off; everything else the same either way
+    assert got["d64-causal-h4:4-n8000-bf16-matching"] == got["triton:d64-causal-h4:4-n8000-bf16-matching"] == \
+        str(triton_bf16)
+    assert got["d256-causal-triton-fwd-dq"] == str([*triton_fp8[:2], ("hopper", 1, None, False),
+                                                   ("hopper", 2, None, False)])
+    assert got["triton:d256-causal-triton-fwd-dq"] == str([*triton_fp8[:2], ("dkdv", 1, True, False),
+                                                           ("dkdv", 2, True, False)])
     for name in ("d128-full-h16:4-n8000-fp8-matching", "d128-causal-h16:4-n8000-fp8-matching"):
-        assert got[name] == str(triton_fp8) and got["ragged:" + name] == str(gluon_padded)
-    assert got["d64-causal-h4:4-n8000-fp8-stale"] == str(triton_fp8)
-    assert got["ragged:d64-causal-h4:4-n8000-fp8-stale"] == str([gluon_padded[0], *triton_fp8[1:]])
-    for name in ("d128-causal-h4:4-n8192-fp8-matching", "d128-causal-h4:4-n8192-fp8-stale",
-                 "d64-causal-h4:4-n8000-bf16-matching", "d256-causal-fp8"):
-        assert got["ragged:" + name] == got[name]
+        assert got[name] == str(gluon_padded) and got["triton:" + name] == str(triton_fp8)
+    assert got["d64-causal-h4:4-n8000-fp8-stale"] == str([gluon_padded[0], *triton_fp8[1:]])
+    assert got["triton:d64-causal-h4:4-n8000-fp8-stale"] == str(triton_fp8)
+    assert got["triton:d128-causal-h4:4-n8192-fp8-matching"] == str(triton_fp8)
 
 
 @pytest.mark.parametrize("dims", [["--d", "256"], ["--d", "256", "--full"], ["--d", "256", "--groups", "4"],
                                   ["--d", "192", "--dv", "128"]], ids=["d256", "d256-full", "d256-gqa", "mla"])
 def test_gluon_forward_wide_compiles_for_sm90(dims):
-    """The Gluon forward at D=256 (two MMA warpgroups of launch.FWD_HOPPER_WIDE_REGS: O alone is 128 registers per
+    """The Gluon forward at D=256 (two MMA warpgroups of configs.FWD_HOPPER_WIDE_REGS: O alone is 128 registers per
     thread) and MLA's Dqk=192 / Dv=128 (three, q and k read 256 wide) compiles for sm_90 within the SM's 227 KB of
     shared memory, its P8 V MMA 256 wide at Dv = 256, no serialized wgmma, and no spills with Triton 3.6 (the
-    version the Gluon kernels run with: launch.GLUON_TRITON_VERSIONS); with 3.9 MLA spills 16-32 bytes, as the
+    version the Gluon kernels run with: kernels/toolchain.py); with 3.9 MLA spills 16-32 bytes, as the
     three-warpgroup forward does at D=128 there."""
     import triton
     stdout = _compile("--kernels", "hopper_fwd", *dims)
@@ -248,7 +247,7 @@ def test_gluon_forward_wide_compiles_for_sm90(dims):
                          ids=["d256", "d256-gqa", "mla"])
 @pytest.mark.parametrize("part", ["1", "2"])
 def test_gluon_dkdv_wide_compiles_for_sm90(dims, part):
-    """The Gluon dK/dV kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DKDV_HOPPER_WIDE_DIMS), each of its two
+    """The Gluon dK/dV kernel at D=256 and MLA's Dqk=192 / Dv=128 (configs.GLUON_WIDE_DIMS), each of its two
     launches (PART 1: dV alone, P8 dO8 MMAs Dv wide; PART 2: dK alone, dS8 q8 MMAs 256 wide, Dqk in a power-of-two
     box), compiles for sm_90 within the SM's 227 KB of shared memory, no serialized wgmma. Spills, compiled on a CPU
     machine: with Triton 3.6 none but in the dK launch with GQA (40 bytes for MLA, 64 at D=256: the scales loaded a
@@ -275,7 +274,7 @@ def test_gluon_dkdv_wide_compiles_for_sm90(dims, part):
                          ids=["d256", "d256-full", "mla"])
 @pytest.mark.parametrize("half", ["1", "2"])
 def test_gluon_dq_wide_compiles_for_sm90(dims, half):
-    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (launch.DQ_HOPPER_WIDE_DIMS), each of its two launches
+    """The Gluon dQ kernel at D=256 and MLA's Dqk=192 / Dv=128 (configs.GLUON_WIDE_DIMS), each of its two launches
     (HALF 1: the correction pass and dQ's first 128 columns; HALF 2: the last 128, delta read), compiles for sm_90:
     its dQ MMAs 128 wide (as at D=128), no serialized wgmma, within the SM's 227 KB of shared memory (229712 bytes at
     D=256 with 2 stages), and spills: none with Triton 3.6 (the Gluon kernels' version), at most 8 bytes with 3.9."""
@@ -291,26 +290,25 @@ def test_gluon_dq_wide_compiles_for_sm90(dims, half):
 
 
 def test_hash_records_the_wide_forward():
-    """--hash's cases behind TUNE["hopper_fwd_wide"] (D=256, MLA's 192/128): the Gluon forward launches (two
-    warpgroups at Dv = 256, three at Dv = 128; HEAD_D is Dv), then the Gluon dQ kernel twice (dQ's column halves:
-    HALF 1, 2) and the Gluon dK/dV kernel twice (dV, then dK: PART 1, 2; q/k boxes of 256, Dqk and Dv as given) with
-    the very constexprs they get after the Triton forward (the backward reads the same saved tensors either way); with the key off the Triton forward, and
-    the key leaves kernels.TUNE as it was."""
+    """--hash's cases at D=256 and MLA's 192/128: the Gluon forward launches (two warpgroups at Dv = 256, three at
+    Dv = 128; HEAD_D is Dv), then the Gluon dQ kernel twice (dQ's column halves: HALF 1, 2) and the Gluon dK/dV kernel
+    twice (dV, then dK: PART 1, 2; q/k boxes of 256, Dqk and Dv as given) with the very constexprs they get after
+    the Triton forward (pinned: the backward reads the same saved tensors either way), and the pin is gone after."""
     stdout = _record(
-        "for name in ('d256-causal-h4:4-fwd-wide', 'd256-full-h16:4-fwd-wide', 'mla-192:128-causal-fwd-wide'):\n"
-        "    base = {**cases[name], 'tune': {'hopper_fwd_wide': False}}\n"
+        "for name in ('d256-causal-fp8', 'd256-full-h16:4', 'mla-192:128-causal'):\n"
+        "    base = {**cases[name], 'pins': {'fwd_kernel': 'triton'}}\n"
         "    for tag, case in (('wide', cases[name]), ('base', base)):\n"
         "        got = [(S.KERNELS[fn.__name__], sorted(cx.items())) for fn, cx, *_ in S.record_launches(case)]\n"
-        "        print(tag, name, repr(got), launch.TUNE)\n"
+        "        print(tag, name, repr(got), plan.PINS or configs.TUNE)\n"
     )
     got = {}
     for ln in stdout.splitlines():
         tag, name, rest = ln.split(" ", 2)
-        launches, tune = rest.rsplit(" ", 1)
-        assert tune == "{}", ln
+        launches, left = rest.rsplit(" ", 1)
+        assert left == "{}", ln
         got[tag, name] = eval(launches)  # noqa: S307  (our own subprocess's repr)
-    for name, (dv, nwg) in (("d256-causal-h4:4-fwd-wide", (256, 2)), ("d256-full-h16:4-fwd-wide", (256, 2)),
-                            ("mla-192:128-causal-fwd-wide", (128, 3))):
+    for name, (dv, nwg) in (("d256-causal-fp8", (256, 2)), ("d256-full-h16:4", (256, 2)),
+                            ("mla-192:128-causal", (128, 3))):
         wide, base = got["wide", name], got["base", name]
         assert [k for k, _ in wide] == ["hopper_fwd", "hopper_dq", "hopper_dq", "hopper", "hopper"], wide
         assert [k for k, _ in base] == ["fwd", "hopper_dq", "hopper_dq", "hopper", "hopper"], base
@@ -324,23 +322,23 @@ def test_hash_records_the_wide_forward():
 
 
 def test_hash_records_the_window_launches():
-    """record_launches on the sliding-window cases: a causal window takes the Triton kernels with the case's TUNE
-    hopper_window off and, with it on (launch.HOPPER_WINDOW's default), the three Gluon kernels with HAS_WINDOW, dense
-    (N = 8192), ragged (N = 8000: their padded variant) and packed, with the dK/dV kernel's pairs, peeled diagonal and
-    pipelined dK MMA off; the unwindowed Gluon launches have HAS_WINDOW off, and the case's TUNE is gone after it."""
+    """record_launches on the sliding-window cases: a causal window takes the three Gluon kernels with HAS_WINDOW,
+    dense (N = 8192), ragged (N = 8000: their padded variant) and packed, with the dK/dV kernel's pairs, peeled
+    diagonal and pipelined dK MMA off, and the Triton kernels with HAS_WINDOW where pinned; the unwindowed Gluon
+    launches have HAS_WINDOW off, and no pin is left after."""
     stdout = _record(
-        "for name in ('d128-window', 'd128-gluon-window-h4:4-n8192', 'd64-gluon-window-h16:4-n8000',\n"
-        "             'd128-gluon-window-packed', 'd128-causal-h4:4-n8192-fp8-matching'):\n"
+        "for name in ('d128-window-triton', 'd128-window-h4:4-n8192', 'd64-window-h16:4-n8000',\n"
+        "             'd128-window-packed', 'd128-causal-h4:4-n8192-fp8-matching'):\n"
         "    print(name, [(S.KERNELS[fn.__name__], cx.get('HAS_WINDOW'), cx.get('VARLEN'),\n"
         "                  (cx.get('PAIRS'), cx.get('PEEL'), cx.get('PIPE')))\n"
-        "                 for fn, cx, *_ in S.record_launches(cases[name])], dict(launch.TUNE))\n"
+        "                 for fn, cx, *_ in S.record_launches(cases[name])], dict(plan.PINS))\n"
     )
     got = dict(ln.split(" ", 1) for ln in stdout.splitlines())
     none = (None, None, None)
-    assert got["d128-window"] == str([("fwd", True, False, none), ("dq", True, False, none),
-                                      ("dkdv", True, False, none)]) + " {}"
-    for name, varlen in (("d128-gluon-window-h4:4-n8192", False), ("d64-gluon-window-h16:4-n8000", True),
-                         ("d128-gluon-window-packed", True)):
+    assert got["d128-window-triton"] == str([("fwd", True, False, none), ("dq", True, False, none),
+                                             ("dkdv", True, False, none)]) + " {}"
+    for name, varlen in (("d128-window-h4:4-n8192", False), ("d64-window-h16:4-n8000", True),
+                         ("d128-window-packed", True)):
         want = [("hopper_fwd", True, varlen, none), ("hopper_dq", True, varlen, (None, None, False)),
                 ("hopper", True, varlen, (False, False, 0))]
         assert got[name] == str(want) + " {}", (name, got[name])
@@ -350,12 +348,12 @@ def test_hash_records_the_window_launches():
 
 @pytest.mark.parametrize("variant", [[], ["--varlen"]], ids=["dense", "packed"])
 def test_gluon_window_kernels_compile_for_sm90_on_the_cpu(variant):
-    """The Gluon kernels' sliding-window variants (HAS_WINDOW, launch.HOPPER_WINDOW) at D=128, dense and packed,
+    """The Gluon kernels' sliding-window variants (HAS_WINDOW) at D=128, dense and packed,
     compile for sm_90 with the installed Triton: no serialized wgmma, the dK/dV kernel's MMA operands right
     (check_dkdv_operands on its plain loop: no pairs, peel or pipe with a window), and spills within bounds. With
     Triton 3.6, which the Gluon kernels run with: the dQ kernel 8 bytes dense and 16 packed (0 without a window: the
     masked edge loop of each pass adds live values), none in the forward or dK/dV. With 3.9 (not run by default:
-    launch.GLUON_TRITON_VERSIONS) the forward 72, the dQ kernel 208 dense and 88 packed, dK/dV none."""
+    kernels/toolchain.py) the forward 72, the dQ kernel 208 dense and 88 packed, dK/dV none."""
     import triton
     stdout = _compile("--d", "128", "--kernels", "hopper,hopper_dq,hopper_fwd", "--operands", "--window", *variant,
                       timeout=900)

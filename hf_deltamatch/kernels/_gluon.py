@@ -1,7 +1,7 @@
 """What the Gluon kernels for Hopper (fwd_hopper.py, dq_hopper.py, dkdv_hopper.py) share: tile sizes, TMA
 descriptors over our FP8 and row tensors, the grid order, fp8 operands from accumulators. Written against Triton
 3.6's Gluon API; compiles with 3.6, 3.7 and 3.9 (the TMA copy's name below). They run with the versions of
-launch.GLUON_TRITON_VERSIONS only (launch._hopper_case)."""
+kernels/toolchain.py only (plan.gluon_why_not)."""
 
 import functools
 

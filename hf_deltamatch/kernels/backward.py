@@ -7,16 +7,16 @@ DS_TILE_Q = 64 rows, each with its own scale):
           (delta="stale": delta = rowsum(dO * O) from the high-precision dO and out instead.)
   pass 2: the same S, P, dP again; dS = P * (dP - delta) in fp32, quantized per 64 x block tile with a
           dynamic scale; dQ += (dS8 @ k8) * sds * sk. Writes dQ and delta (for kernel 2), and where
-          launch._dkdv_ds_scales says so each dS tile's scale (DSS).
+          configs.dkdv_ds_scales says so each dS tile's scale (DSS).
 Kernel 2, `_bwd_dkdv_kernel`, one program per key tile per KV head, looping over the GQA group's query
   heads and the query tiles that see it (so dK/dV sum over the group without atomics):
   S^T, P^T, dP^T, dS^T as above (same tile, same dynamic scale: its own absmax, or kernel 1's scale, which lets
-  a program cover part of a dS tile's keys, launch._dkdv_block_n), dV += (P8^T @ dO8) * sdo / 256,
+  a program cover part of a dS tile's keys, configs.dkdv_block_n), dV += (P8^T @ dO8) * sdo / 256,
   dK += (dS8^T @ q8) * sds * sq. Above D=128 it runs twice, for dV alone (PART 1: no dP, no dS) and for dK
-  alone (PART 2), so a program holds one BLOCK_N x D accumulator, not two (launch.DKDV_SPLIT_ABOVE).
+  alone (PART 2), so a program holds one BLOCK_N x D accumulator, not two (configs.DKDV_SPLIT_ABOVE).
 Everything is deterministic (dQ is written once by its owner), so config.deterministic costs nothing.
 FP8 operands contracted over tokens (dO and q in kernel 2, k in kernel 1) are read from (D, N) copies
-(tokens contiguous) so every FP8 matmul gets K-major operands. TMA=True in kernel 1 (launch._use_tma): k8, its
+(tokens contiguous) so every FP8 matmul gets K-major operands. TMA=True in kernel 1 (configs.use_tma): k8, its
 token-major copy and v8 come through tensor descriptors (see _tile for the rows they read past a sequence).
 """
 
@@ -51,8 +51,8 @@ def _p_dp(q, do, lse2, s_f, dp_f, K, V, skn, skd, svn, svd, kv_row, offs_m, offs
 
 
 @triton.jit
-def _dq_inner(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
-              dss_tk, kv_row, kt_row, k0, start_m, lo, hi, n, m, window,
+def _dq_inner(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd,
+              svn, svd, dss_tk, kv_row, kt_row, k0, start_m, lo, hi, n, m, window,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
               DQK: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, FP8: tl.constexpr, PASS1: tl.constexpr, ROW_SUMS: tl.constexpr,
@@ -88,7 +88,7 @@ def _dq_inner(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V
                 amax = tl.max(tl.abs(ds), 1)
                 if ONE_TILE:
                     sds = tile_scale(tl.max(amax, 0), FMAX, POW2)
-                    if DSS_OUT:  # for the dK/dV kernel (launch._dkdv_ds_scales)
+                    if DSS_OUT:  # for the dK/dV kernel (configs.dkdv_ds_scales)
                         tl.store(DSS + start_n // BLOCK_N, sds, mask=start_m < n)
                 else:
                     sub = tile_scale(tl.max(tl.reshape(amax, (BLOCK_M // DS_Q, DS_Q)), 1), FMAX, POW2)
@@ -124,10 +124,10 @@ def _dq_sweep(dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V
     window), the unmasked middle [mid_lo, mid_hi), the masked diagonal/tail [mid_hi, hi). Inlined by Triton."""
     if HAS_WINDOW:
         dq, c_dq, c_max, delta, rs, ra = _dq_inner(
-            dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
-            dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
-            DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE, TMA,
-            ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
+            dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd,
+            svn, svd, dss_tk, kv_row, kt_row, k0, start_m, lo, mid_lo, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK,
+            BLOCK_DV, DQK, DV, True, CAUSAL, HAS_WINDOW, FP8, PASS1, ROW_SUMS, FMAX, E5M2, POW2, INTERP, DS_Q, ONE_TILE,
+            TMA, ASM_SCALES, SCALE_AFTER_SUM, DSS_OUT)
     dq, c_dq, c_max, delta, rs, ra = _dq_inner(
         dq, c_dq, c_max, delta, rs, ra, q, do, lse2, row_f, dp_f, K, KT, V, SK, SV, DSS, skn, skd, ktn, ktd, svn, svd,
         dss_tk, kv_row, kt_row, k0, start_m, mid_lo, mid_hi, n, m, window, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DV,
@@ -367,7 +367,7 @@ def _dkdv_inner(dk, dv, c_dk, ck_max, c_dv, k, v, Q, QT, DO, DOT, SQ, SDO, LSE, 
                 dv = tl.dot(to_fp8(p256, False, INTERP), dot_, dv * (c_dv / cv))
                 c_dv = cv
             if PART != 1:
-                if DSS_IN:  # the dQ kernel's scale of this tile (launch._dkdv_ds_scales)
+                if DSS_IN:  # the dQ kernel's scale of this tile (configs.dkdv_ds_scales)
                     sds = _scale(DSS + (start_m // BLOCK_M) * dss_tk, ASM_SCALES)
                 else:
                     # dst is dS^T * 2^P_SHIFT: the powers of two are exact, so sds is the same as from dS^T
@@ -400,7 +400,7 @@ def _bwd_dkdv_kernel(
     ASM_SCALES: tl.constexpr,
     LSE2_IN: tl.constexpr,  # LSE holds the dQ kernel's LSE2 (log2 units, P_SHIFT subtracted), not the LSE
     P_SHIFT: tl.constexpr,  # 8 (fp8 only): exp2 yields P * 256, the value quantized for P^T dO
-    PART: tl.constexpr,  # 0: dK and dV; 1: dV only (no dP, no dS); 2: dK only (launch._dkdv_parts)
+    PART: tl.constexpr,  # 0: dK and dV; 1: dV only (no dP, no dS); 2: dK only (configs.dkdv_parts)
     DSS_IN: tl.constexpr,  # read each dS tile's scale from the dQ kernel's DSS instead of the tile's absmax
     DS_K: tl.constexpr,  # keys per dS tile (the block); BLOCK_N may be a divisor of it only with DSS_IN
 ):

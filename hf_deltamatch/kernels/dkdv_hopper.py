@@ -1,16 +1,16 @@
 """dK/dV on Hopper, written in Gluon: one TMA warp feeding two (D=128) or three (D=64) independent MMA warpgroups.
 
 The same contract and arithmetic as `_bwd_dkdv_kernel` (backward.py) with DSS_IN, LSE2_IN and P_SHIFT = 8, for its
-common case only (launch._dkdv_hopper says when): fp8 e4m3, Dqk = Dv in (64, 128) (PART 0: dK and dV in one launch),
-or D = 256 and MLA's Dqk = 192 / Dv = 128 on dense batches of N a multiple of 128 (launch.DKDV_HOPPER_WIDE_DIMS: PART
+common case only (plan.gluon_why_not says when): fp8 e4m3, Dqk = Dv in (64, 128) (PART 0: dK and dV in one launch),
+or D = 256 and MLA's Dqk = 192 / Dv = 128 on dense batches of N a multiple of 128 (configs.GLUON_WIDE_DIMS: PART
 1, dV alone, then PART 2, dK alone, as `_bwd_dkdv_kernel` splits them above D = 128: a warpgroup cannot hold both
 64 x 256 accumulators; q and k read in boxes of Dqk rounded up to a power of two, zeros past Dqk, dK's extra columns
-dropped), no window (HAS_WINDOW: a causal sliding window, with launch.HOPPER_WINDOW: the query tiles end at the last
-query whose window holds the program's last key, each warpgroup skips those past its own keys' windows and masks those
-the window's edge cuts), N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its
+dropped), no window or (HAS_WINDOW) a causal sliding one (the query tiles end at the last query whose window holds
+the program's last key, each warpgroup skips those past its own keys' windows and masks those the window's edge
+cuts), N = M a multiple of 128, causal or full, any GQA group, or a causal packed batch (VARLEN: its
 sequences padded to multiples of 128 rows by kernels.segments, LSE2, delta and the dS scales where the dQ kernel put
 them; dK, dV to the packed rows; also a dense batch of N not a multiple of 128, each head one such sequence, causal
-or full: launch.HOPPER_RAGGED; padded keys are never stored, and padded query rows have P = 0 from their -inf LSE).
+or full; padded keys are never stored, and padded query rows have P = 0 from their -inf LSE).
 
 Why a second dK/dV kernel: Triton compiles `_bwd_dkdv_kernel` into one stream in which both warpgroups meet
 at CTA barriers for every query tile and ptxas serializes its wgmmas (docs/kernels.md); the softmax of one
@@ -22,7 +22,7 @@ tile then never overlaps an MMA. Here
     a warpgroup's causal query tiles start at its own diagonal: the ones before it releases unread);
   - inside a warpgroup the wgmmas are asynchronous with explicit waits: dP^T's MMA runs under exp2(S^T) and
     dV's under dS; dK's is waited for at the end of the tile (left in flight into the next tile, ptxas
-    serializes every wgmma of the kernel), or with PIPE (two warpgroups, no GQA: launch.DKDV_HOPPER_PIPE) issued
+    serializes every wgmma of the kernel), or with PIPE (two warpgroups, no GQA: configs.dkdv_hopper) issued
     by the next tile after its S^T and dP^T, from dS^T / sds carried over in fp32, so that it runs under that
     tile's exponentials.
 Per query tile of 64 rows (stage s), in one warpgroup (keys kb .. kb+63):
@@ -31,10 +31,10 @@ Per query tile of 64 rows (stage s), in one warpgroup (keys kb .. kb+63):
     dV = dV * (c_dv / cv) + P8^T dO8                         (cv = sdo / 256: dv is kept in units of cv)
     dS^T = P^T (dP^T * sv sdo - delta),  dK = dK * (c_dk / ck) + (dS^T / sds)8 q8   (ck = sds * sq)
 with sds the dQ kernel's scale of the tile (DSS): the values and roundings of `_bwd_dkdv_kernel`. With PAIRS
-(launch.DKDV_HOPPER_PAIRS) the loop takes two query tiles per iteration, and the second, which shares the first's
+(configs.dkdv_hopper) the loop takes two query tiles per iteration, and the second, which shares the first's
 128-row dO8 quantization tile (cv), skips dV's rescale by c_dv / cv. With PEEL the query tiles across the causal
 diagonal come before the loop, so the loop's tiles carry no mask test; with AHEAD each tile's scales are loaded a
-tile ahead (always with GQA). Which combination runs where is launch._dkdv_hopper_cfg's choice, by measurement.
+tile ahead (always with GQA). Which combination runs where is configs.dkdv_hopper's choice, by measurement.
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dkdv_kernel` (tests/test_kernels_gpu.py).
 
 dQ is not added up here (FlashAttention's way) but in the dQ kernel's second pass: the fp32 reduce-adds of dQ
@@ -117,8 +117,8 @@ def _tile_scales(SQ, SDO, DSS, g, i, N, dss_tq, dss_tk):
 
 @gluon.jit
 def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, s, SQ, SDO, DSS, keys, col_f, dp_f,
-          bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, masked, s_prev,
-          window, CAUSAL: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr,
+          bh, m0, N, dss_tq, dss_tk, dss_col, sq_t, sdo_t, sds, s_acc, dp_acc, dk, dv, c_dk, ck_max, c_dv, masked,
+          s_prev, window, CAUSAL: gl.constexpr, AHEAD: gl.constexpr, RESCALE_DV: gl.constexpr,
           PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr, PART: gl.constexpr):
     """One query tile (ring stage s) of one warpgroup: dK and dV updated; masked: a tile across the diagonal.
     AHEAD: sq_t, sdo_t, sds (the tile's q8, dO8 and dS scales) were loaded a tile ahead by the caller; else they
@@ -163,7 +163,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             else:
                 p256 = gl.where(keys[:, None] <= cols[None, :], p256, 0.0)
     if PART != 2:
-        # RESCALE_DV False (launch.DKDV_HOPPER_PAIRS): c_dv / cv is 1 up to the division's rounding, yet dV then
+        # RESCALE_DV False (configs.dkdv_hopper): c_dv / cv is 1 up to the division's rounding, yet dV then
         # differs from _bwd_dkdv_kernel's by up to 1.4e-3 (slightly closer to the reference); a runtime skip with three
         # warpgroups made the kernel slower at D=64 (1.03-1.12x its time)
         cv = sdo_t * (1.0 / 256.0)
@@ -297,10 +297,10 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
                    HEAD_DV: gl.constexpr, DQK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                    VARLEN: gl.constexpr, WGS: gl.constexpr, PAIRS: gl.constexpr, PEEL: gl.constexpr,
                    AHEAD: gl.constexpr, PIPE: gl.constexpr, HAS_WINDOW: gl.constexpr, PART: gl.constexpr):
-    gl.static_assert(WGS == 2 or not PIPE, "PIPE: two warpgroups only (launch._dkdv_hopper_cfg)")
-    gl.static_assert(PART == 0 or not PIPE, "PIPE: dK and dV in one launch only (launch._dkdv_hopper_cfg)")
+    gl.static_assert(WGS == 2 or not PIPE, "PIPE: two warpgroups only (configs.dkdv_hopper)")
+    gl.static_assert(PART == 0 or not PIPE, "PIPE: dK and dV in one launch only (configs.dkdv_hopper)")
     gl.static_assert(not (HAS_WINDOW and (PAIRS or PEEL or PIPE)), "a window: no pairs, peel or pipelined dK MMA "
-                                                                  "(launch._dkdv_hopper_cfg)")
+                                                                  "(configs.dkdv_hopper)")
     s_layout: gl.constexpr = mma_layout(BLOCK_M)
     d_layout: gl.constexpr = mma_layout(HEAD_D)  # dK's (HEAD_D: Dqk rounded up to a power of two)
     dv_layout: gl.constexpr = mma_layout(HEAD_DV)
@@ -335,7 +335,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         if CAUSAL:
             first = WG
         first = gl.where(kb < key_end, first, n_q)
-    # AHEAD (always with GQA; where else: launch.DKDV_HOPPER_AHEAD): the query tiles' scales loaded a tile ahead
+    # AHEAD (always with GQA; where else: configs.DKDV_HOPPER_AHEAD): the query tiles' scales loaded a tile ahead
     # (Nsight Compute: the warps waited on these L2 loads under the MMAs) and the tile's head and row counted up (no
     # integer division per tile): GQA 0.95x the kernel's time.
     g = 0
@@ -448,10 +448,10 @@ def _bwd_dkdv_hopper_kernel(
     PART: gl.constexpr,
 ):
     # HEAD_D: q's and k's box width, Dqk rounded up to a power of two (TMA fills the columns past DQK with zeros);
-    # HEAD_DV: Dv; DQK: Dqk, dK's row length; PART 0: dK and dV; 1: dV alone; 2: dK alone (launch._dkdv_parts)
-    gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (launch._hopper_why_not)")
+    # HEAD_DV: Dv; DQK: Dqk, dK's row length; PART 0: dK and dV; 1: dV alone; 2: dK alone (configs.dkdv_parts)
+    gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (plan.gluon_why_not)")
     gl.static_assert(PART == 0 or (WGS == 2 and not VARLEN), "dV and dK in two launches: two warpgroups, dense "
-                                                            "batches (launch._dkdv_hopper_cfg, _wide_why_not)")
+                                                            "batches (configs.dkdv_hopper, plan.gluon_why_not)")
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN: positions below are padded rows of the
     # head, and a sequence's dS tiles sit where the dQ kernel put them), N_OUT: of dK, dV
     base, length, start = _segment(CU, PCU, N, VARLEN)
@@ -562,24 +562,24 @@ def _bwd_dkdv_hopper_kernel(
 def pipe_mode(pipe, fresh_dp):
     """The kernel's PIPE: 0 no pipelined dK MMA; 1 pipelined, dP^T's MMA into the registers that carried the previous
     tile's dS^T (converted to fp8 just before: no extra register); 2 pipelined, dP^T's MMA into a fresh accumulator
-    (`fresh_dp`: a zero fill per tile), which ptxas of CUDA 13 needs (launch.DKDV_HOPPER_PIPE)."""
+    (`fresh_dp`: a zero fill per tile), which ptxas of CUDA 13 needs (toolchain.PIPE_PTXAS_BELOW)."""
     return (2 if fresh_dp else 1) if pipe else 0
 
 
 def dkdv_hopper(q8, q8t, k8, v8, do8, do8t, sq, sk, sv, sdo, lse2, delta, dss, dk, dv, *, causal, softmax_scale,
                 dss_tq, dss_tk, grid, n_tiles, head_group, stages, warpgroups, regs, pairs, peel, ahead,
                 pipe=False, fresh_dp=False, parts=(0,), segments=None, window=None):
-    """Launch `_bwd_dkdv_hopper_kernel` (shapes checked by launch._dkdv_hopper; grid over the key blocks of
+    """Launch `_bwd_dkdv_hopper_kernel` (inputs as plan.gluon_why_not takes them; grid over the key blocks of
     64 x `warpgroups` keys, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers; `pairs`: query tiles two per iteration, two warpgroups only; `peel`: the causal diagonal's tiles
     before the loop, dense, one head per group only; `ahead`: each tile's scales loaded a tile ahead, required
     with GQA; `pipe`: each tile's dK MMA issued with the next tile's S^T and dP^T, two warpgroups and dense
     batches only; `fresh_dp`: with `pipe`, dP^T's MMA into a fresh accumulator, pipe_mode; `parts`: the launches,
-    (0,) dK and dV at once or (1, 2) dV then dK (launch._dkdv_parts: Dqk = 192 or Dv = 256, where one warpgroup
+    (0,) dK and dV at once or (1, 2) dV then dK (configs.dkdv_parts: Dqk = 192 or Dv = 256, where one warpgroup
     cannot hold both accumulators). Dqk need not be Dv (MLA: 192 / 128): q's and k's boxes are Dqk rounded up to a
     power of two wide, filled with zeros past Dqk, so dK's accumulator has that many columns, the extra ones dropped.
     segments: a packed batch's kernels.segments.Segments, every tensor but dk, dv in its padded layout. window: a causal
-    sliding window (launch.HOPPER_WINDOW: no pairs, peel or pipe then), each query's keys in (pos - window, pos]."""
+    sliding window (no pairs, peel or pipe then), each query's keys in (pos - window, pos]."""
     B, Hq, N, dqk = q8.shape
     Hkv, dv_ = k8.shape[1], v8.shape[3]
     box = 1 << (dqk - 1).bit_length()  # Gluon's blocks are powers of two

@@ -1,16 +1,16 @@
 """The correction pass and dQ on Hopper, written in Gluon: one TMA warp feeding two independent MMA warpgroups.
 
-The same contract and arithmetic as `_bwd_dq_kernel` (backward.py) with 64-row blocks (ONE_TILE), matching
-delta, LSE2_OUT (P_SHIFT 8) and DSS_OUT, for its common case only (launch._dq_hopper says when): fp8 e4m3,
-Dqk = Dv in (64, 128), no window (HAS_WINDOW: a causal sliding window, with launch.HOPPER_WINDOW: both passes
-over the key tiles from the program's first query's window on, each warpgroup's tiles before its own window
-released, the edge's masked), N = M a multiple of 128, causal or full, any GQA group, or a causal packed
-batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, as LSE, delta, LSE2 and the dS
-scales, whose tiles the dK/dV kernel then finds at the same padded places; dQ to the packed rows; also a dense
-batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N) full:
-launch.HOPPER_RAGGED); or, in two launches over dQ's column halves (HALF 1, 2: launch.DQ_HOPPER_WIDE_DIMS,
-HOPPER_DQ_WIDE), D = 256 and MLA's Dqk = 192 / Dv = 128 on dense batches, q and k read in boxes of Dqk rounded up to a power
-of two: the first launch runs the correction pass and stores delta, LSE2 and the dS scales, the second reads delta.
+The same contract and arithmetic as `_bwd_dq_kernel` (backward.py) with 64-row blocks (ONE_TILE), matching delta,
+LSE2_OUT (P_SHIFT 8) and DSS_OUT, for its common case only (plan.gluon_why_not says when): fp8 e4m3, Dqk = Dv in (64,
+128), no window or (HAS_WINDOW) a causal sliding one (both passes over the key tiles from the program's first query's
+window on, each warpgroup's tiles before its own window released, the edge's masked), N = M a multiple of 128, causal or
+full, any GQA group, or a causal packed batch (VARLEN: its sequences padded to multiples of 128 rows by
+kernels.segments, as LSE, delta, LSE2 and the dS scales, whose tiles the dK/dV kernel then finds at the same padded
+places; dQ to the packed rows; also a dense batch of N not a multiple of 128, each head one such sequence, causal or
+(its last key tile masked past N) full); or, in two launches over dQ's column halves (HALF 1, 2:
+configs.GLUON_WIDE_DIMS), D = 256 and MLA's Dqk = 192 / Dv = 128 on dense batches, q and k read in boxes of Dqk rounded
+up to a power of two: the first launch runs the correction pass and stores delta, LSE2 and the dS scales, the second
+reads delta.
 
 Why: `_bwd_dq_kernel` at D=128 takes 116 KB of shared memory, so one warpgroup runs per SM and nothing
 overlaps its softmax. Here a program covers 128 queries: the loader (1 warp) streams each key tile once for
@@ -20,9 +20,9 @@ other. Per key tile of 128 keys (stage s), in one warpgroup (rows r0 .. r0+63):
           delta += rowsum(P * dP) * sdo sv  (SCALE_AFTER_SUM; else rowsum(P * dP * sdo sv))
   pass 2: S, dP, P again; dS = P (dP sdo sv - delta); sds = tile_scale(absmax dS), stored for the dK/dV kernel;
           dQ = dQ * (c / c') + (dS / sds)8 k8   (c' = sds * sk: dq is kept in units of the last tile's c')
-With PINGPONG (on at D=128, launch.DQ_HOPPER_PINGPONG) the two warpgroups take turns to issue their S and dP MMAs
+With PINGPONG (on at D=128, configs.DQ_HOPPER_PINGPONG) the two warpgroups take turns to issue their S and dP MMAs
 (FlashAttention-3's ping-pong through named barriers, _gluon.wait_turn), so one's exponentials overlap the other's
-MMAs more often. With PIPE (on the full mask, launch.DQ_HOPPER_PIPE_FULL) pass 2 is software-pipelined: tile j's
+MMAs more often. With PIPE (on the full mask, configs.DQ_HOPPER_PIPE_FULL) pass 2 is software-pipelined: tile j's
 dQ MMA is issued after tile j+1's S and dP and runs under its exponentials (_dq_tile_pipe).
 Gluon has no interpreter; the GPU tests hold this kernel to `_bwd_dq_kernel` (tests/test_kernels_gpu.py).
 """
@@ -51,7 +51,7 @@ def _first_tile(q0, window, HAS_WINDOW: gl.constexpr):
 def _loader(q_desc, do_desc, k_desc, v_desc, kt_desc, q_smem, do_smem, k_smem, v_smem, kt_smem,
             qo_bar, ready, empty, q_row, kv_row, kt_row, kt_col, q0, n_k, window, STAGES: gl.constexpr,
             HEAD_D: gl.constexpr, HAS_WINDOW: gl.constexpr, HALF: gl.constexpr):
-    """HALF 2 (the second half of dQ's columns, launch._dq_hopper_cfg): pass 2's loads only (delta is read)."""
+    """HALF 2 (the second half of dQ's columns, configs.dq_hopper): pass 2's loads only (delta is read)."""
     mbarrier.expect(qo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, 0], qo_bar, q_smem)
     tma_load(do_desc, [q_row, 0], qo_bar, do_smem)
@@ -326,8 +326,8 @@ def _mma_partition(q_smem, do_smem, k_smem, v_smem, kt_smem, qo_bar, ready, empt
     if PIPE:  # pass 2 pipelined (the full mask only): the first tile without a pending dQ MMA
         s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev = _dq_tile_pipe(
             q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, 0, 0, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
-            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, c_dq, 0, False, STAGES, FMAX, POW2,
-            ROW_SUMS, WG, PINGPONG, 0)
+            dp_f, lse2, delta, rows, s_acc, dp_acc, dq, c_dq, c_max, rs, ra, sk_t, sv_t, c_dq, 0, False, STAGES, FMAX,
+            POW2, ROW_SUMS, WG, PINGPONG, 0)
         for t in range(1, n_k):
             s_acc, ds, dq, c_dq, c_max, rs, ra, sk_t, sv_t, r, s_prev = _dq_tile_pipe(
                 q_sub, do_sub, k_smem, v_smem, kt_smem, ready, empty, t, t, n_k, SK, SV, DSS, kv_row, dss_at, row_f,
@@ -403,12 +403,12 @@ def _bwd_dq_hopper_kernel(
 ):
     # HEAD_D: q's and k's box width (Dqk rounded up to a power of two), DQK: Dqk (dQ's row length), HEAD_DV: Dv;
     # HALF 0: all of dQ's columns (DQ_COLS = HEAD_D); 1 and 2: its first and second DQ_COLS = HEAD_D / 2 columns in
-    # two launches (the wide dims: launch._dq_hopper_cfg), the second reading the first's delta
-    gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (launch._hopper_why_not)")
+    # two launches (the wide dims: configs.dq_hopper), the second reading the first's delta
+    gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (plan.gluon_why_not)")
     gl.static_assert(HALF == 0 or not (PIPE or VARLEN or HAS_WINDOW), "dQ in column halves: dense batches, no window, "
-                                                                       "no pipelined pass 2 (launch._dq_hopper_cfg)")
-    gl.static_assert(not (PIPE and CAUSAL), "the pipelined pass 2 is the full mask's (launch._dq_hopper_cfg)")
-    gl.static_assert(not (PIPE and VARLEN), "the pipelined pass 2 masks no key tail (launch._dq_hopper_cfg)")
+                                                                       "no pipelined pass 2 (configs.dq_hopper)")
+    gl.static_assert(not (PIPE and CAUSAL), "the pipelined pass 2 is the full mask's (configs.dq_hopper)")
+    gl.static_assert(not (PIPE and VARLEN), "the pipelined pass 2 masks no key tail (configs.dq_hopper)")
     # N: rows per head of the inputs and row arrays (padded ones for VARLEN), N_OUT: of dQ
     base, length, start = _segment(CU, PCU, N, VARLEN)
     kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL, 2,
@@ -454,11 +454,11 @@ def _bwd_dq_hopper_kernel(
 def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, rs, ra, *, causal, softmax_scale,
               dss_tq, dss_tk, grid, n_tiles, head_group, stages, pingpong, scale_after_sum, fmax, pow2, row_sums,
               pipe=False, halves=(0,), segments=None, window=None):
-    """Launch `_bwd_dq_hopper_kernel` (shapes checked by launch._dq_hopper; grid over N // 128 query blocks, or
+    """Launch `_bwd_dq_hopper_kernel` (inputs as plan.gluon_why_not takes them; grid over N // 128 query blocks, or
     the longest sequence's blocks x the sequences). segments: a packed batch's kernels.segments.Segments, every
-    tensor but dq in its padded layout. window: a causal sliding window (launch.HOPPER_WINDOW), each query's keys
+    tensor but dq in its padded layout. window: a causal sliding window, each query's keys
     in (pos - window, pos]. halves: (0,) one launch for all of dQ's columns, or (1, 2) one per half of them (D = 256
-    and MLA's Dqk = 192 / Dv = 128, dense: launch._dq_hopper_cfg), the first with the correction pass. q and k are read
+    and MLA's Dqk = 192 / Dv = 128, dense: configs.dq_hopper), the first with the correction pass. q and k are read
     in boxes of Dqk rounded up to a power of two (zeros past Dqk), v and dO in boxes of Dv."""
     B, Hq, N, dqk = q8.shape
     Hkv, dv = k8.shape[1], v8.shape[3]
@@ -466,7 +466,8 @@ def dq_hopper(q8, k8, k8t, v8, do8, sq, sk, sv, sdo, lse, dq, delta, lse2, dss, 
     cols = box if halves == (0,) else box // 2  # dQ's columns per launch
     cu, pcu = (segments.cu, segments.pcu) if segments is not None else (lse, lse)  # unread without VARLEN
     descs = (_desc(q8, [QUERIES_PER_PROGRAM, box]), _desc(do8, [QUERIES_PER_PROGRAM, dv]),
-             _desc(k8, [KEYS_PER_PROGRAM, box]), _desc(v8, [KEYS_PER_PROGRAM, dv]), _desc(k8t, [cols, KEYS_PER_PROGRAM]))
+             _desc(k8, [KEYS_PER_PROGRAM, box]), _desc(v8, [KEYS_PER_PROGRAM, dv]),
+             _desc(k8t, [cols, KEYS_PER_PROGRAM]))
     for half in halves:
         _bwd_dq_hopper_kernel[grid](
             *descs, sq, sk, sv, sdo, lse, dq, delta, lse2,

@@ -12,9 +12,9 @@ fp8: S = (q8 @ k8^T) * sq * sk * softmax_scale; P8 = e4m3(P * 256); O += (P8 @ v
 accumulator carries a running scale (the last tile's sv / 256), so the MMA accumulates in place instead of
 into a second fp32 tile (which spilled). v8 is read from a (D, M) copy (tokens contiguous): the FP8 P @ V
 needs a K-major B operand (row-major V made Triton transpose through registers, 2.7x slower: ANCHORS.md).
-TMA=True (fp8, launch._use_tma): q8, k8, v8 come through tensor descriptors over 2-D views instead of
+TMA=True (fp8, configs.use_tma): q8, k8, v8 come through tensor descriptors over 2-D views instead of
 masked pointer loads (6-11 % faster on the H200; no masks on loads, the score masks do that work).
-ASM_SCALES (all three kernels): whether a loop reads its per-tile scales through inline PTX (_scale); launch.py
+ASM_SCALES (all three kernels): whether a loop reads its per-tile scales through inline PTX (_scale); configs.asm_scales
 chooses, per kernel and head dim.
 """
 
@@ -45,9 +45,9 @@ def _tile(X, row, col, offs_r, offs_c, s_r, s_c, R_LIM, C_LIM, MASK: tl.constexp
     """A (rows, cols) tile. Pointer path: masked load at X + offs_r * s_r + offs_c * s_c. TMA: X is a descriptor,
     read at [row, col] (token-major: a (cols, rows) box, transposed). Rows past R_LIM then hold zeros (a dense
     head's padding rows, ops._tma_rows; outside every sequence, docs/numerics.md; TMA's fill past the tensor) or
-    the next sequence's tokens: the score masks give them P = 0, and ops._whole_tiles keeps TMA off where a NaN
-    there could reach an MMA (0 x NaN). (Zeroing them here instead cost the backward's dQ kernel ~1800 more byte permutes/selects in its
-    masked loop, sm_90 SASS; the forward 70 more registers.)"""
+    the next sequence's tokens: the score masks give them P = 0, and plan.Seqs.whole_tiles keeps TMA off where a NaN
+    there could reach an MMA (0 x NaN). (Zeroing them here instead cost the backward's dQ kernel ~1800 more byte
+    permutes/selects in its masked loop, sm_90 SASS; the forward 70 more registers.)"""
     if TMA:
         if TOKEN_MAJOR:
             return tl.trans(X.load([row, col]))
@@ -63,7 +63,7 @@ def _grid_ids(n_tiles, head_group):
     """(tile, batch * head) of this program. The grid's first axis runs over n_tiles tiles x the heads, handed
     out head_group heads at a time and, within a group, tile-major: one tile index for each of the group's
     heads, then the next index. With the heaviest tiles first, a causal grid then ends on light tiles instead
-    of on one head's heaviest (head_group = 1: head by head; launch.py)."""
+    of on one head's heaviest (head_group = 1: head by head; configs.grid)."""
     pid = tl.program_id(0)
     heads = tl.num_programs(0) // n_tiles
     g0 = (pid // (head_group * n_tiles)) * head_group
@@ -77,7 +77,7 @@ def _scale(ptr, ASM: tl.constexpr):
     """One fp32 scale (a key or query tile's) read inside a loop over tiles. ASM: through inline PTX, which
     Triton's software pipeliner does not see; as a tl.load it becomes a cp.async copy into shared memory, and
     with that in the loop ptxas serializes every wgmma whenever an MMA is left in flight across iterations.
-    Where the kernels use it: ASM_SCALES_HEAD_DIMS in launch.py."""
+    Where the kernels use it: ASM_SCALES_HEAD_DIMS in configs.py."""
     if ASM:
         return tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l", [ptr], dtype=tl.float32,
                                          is_pure=True, pack=1)
@@ -231,8 +231,8 @@ def _fwd_kernel(
     # R a head's rows in q8 / k8 (ops._desc)
     k_row = (b * Hkv + hk) * (skh // skn) + k0
     v_row = (b * Hkv + hk) * DV
-    q = _tile(Qb, (b * Hq + h) * (sqh // sqn) + q0 + start_m, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, True, BLOCK_DQK != DQK,
-              TMA, False)
+    q = _tile(Qb, (b * Hq + h) * (sqh // sqn) + q0 + start_m, 0, offs_m, offs_dqk, sqn, sqd, n, DQK, True,
+              BLOCK_DQK != DQK, TMA, False)
     if INTERP and not FP8:
         q = q.to(tl.float32)
     # BLOCK_M <= BLOCK_N: the block lies in one quantization tile of q (blocks and tiles both start at each

@@ -1,17 +1,15 @@
 """The forward on Hopper, written in Gluon: one TMA warp feeding three independent MMA warpgroups (on at D 64 and
-128: launch.FWD_HOPPER_HEAD_DIMS).
+128: configs.GLUON_HEAD_DIMS).
 
-The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case
-(launch._hopper_case): fp8, Dqk = Dv in (64, 128), no window (HAS_WINDOW: a causal sliding window, with
-launch.HOPPER_WINDOW), N = M a multiple of 128, or a causal packed batch
-(VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows; also a
-dense batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N)
-full: launch.HOPPER_RAGGED). A program
-covers 64 queries per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for all
+The same contract and arithmetic as `_fwd_kernel` (forward.py) for the Gluon kernels' common case (plan.gluon_why_not):
+fp8, Dqk = Dv in (64, 128), no window or (HAS_WINDOW) a causal sliding one, N = M a multiple of 128, or a causal packed
+batch (VARLEN: its sequences padded to multiples of 128 rows by kernels.segments, outputs to the packed rows; also a
+dense batch of N not a multiple of 128, each head one such sequence, causal or (its last key tile masked past N) full).
+A program covers 64 queries per MMA warpgroup; the loader streams each key tile (k8 and the token-major v8) once for all
 (a warpgroup whose diagonal comes before the program's last key tile releases that tile unread; with HAS_WINDOW the
-loader starts at the key tile of the program's first query's window, a warpgroup whose own window starts a tile
-later releases that tile unread, and the tiles the window's edge cuts are masked like the diagonal); v8
-comes token-major with its keys in k_order, so P8 is the score accumulator as it is (_gluon.fp8_operand).
+loader starts at the key tile of the program's first query's window, a warpgroup whose own window starts a tile later
+releases that tile unread, and the tiles the window's edge cuts are masked like the diagonal); v8 comes token-major with
+its keys in k_order, so P8 is the score accumulator as it is (_gluon.fp8_operand).
 Per key tile of 128 keys, in one warpgroup (rows r0 .. r0+63):
     S = q8 k8^T                                               (async)
     m' = max(m, rowmax(S) * f),  f = sq sk scale log2e         (f > 0: rowmax(S) f = rowmax(S f) exactly)
@@ -19,7 +17,7 @@ Per key tile of 128 keys, in one warpgroup (rows r0 .. r0+63):
     O = O * alpha * (c / c') + (P * 256)8 v8,  c' = sv / 256   (O is kept in units of the last tile's c')
 and at the end O * c / (l / 256), LSE = (m + log2(l / 256)) ln 2. The Triton kernel's values and roundings.
 Also Dv = 256 with Dqk = 256 (two MMA warpgroups: WIDE_WARPGROUPS) and MLA's Dqk = 192 / Dv = 128 (three), on
-dense batches of N = M a multiple of 128 (launch.HOPPER_FWD_WIDE): the same 128-key tiles and steps.
+dense batches of N = M a multiple of 128 (configs.GLUON_WIDE_DIMS): the same 128-key tiles and steps.
 Gluon has no interpreter; tests/test_kernels_gpu.py::test_fwd_hopper_kernel holds it to `_fwd_kernel`.
 """
 
@@ -33,11 +31,11 @@ from ._gluon import (
 )
 
 # MMA warpgroups per program (64 queries each), so that an SM runs three softmax streams (S, O and P8 fit in 160
-# registers without spills, launch.FWD_HOPPER_REGS): 0.75x the time of two at D=64, 0.84x at D=128 causal
+# registers without spills, configs.FWD_HOPPER_REGS): 0.75x the time of two at D=64, 0.84x at D=128 causal
 WARPGROUPS = 3
 WGS = gl.constexpr(WARPGROUPS)
-# At Dv = 256 (launch.FWD_HOPPER_WIDE_DIMS) O alone takes 128 registers per thread of a warpgroup: two MMA
-# warpgroups of launch.FWD_HOPPER_WIDE_REGS each, as FlashAttention-3 runs D=256
+# At Dv = 256 (configs.GLUON_WIDE_DIMS) O alone takes 128 registers per thread of a warpgroup: two MMA
+# warpgroups of configs.FWD_HOPPER_WIDE_REGS each, as FlashAttention-3 runs D=256
 WIDE_WARPGROUPS = 2
 WIDE_WGS = gl.constexpr(WIDE_WARPGROUPS)
 
@@ -168,8 +166,8 @@ def _fwd_hopper_kernel(
     # HEAD_D: Dv (O's columns, v8t's rows per head); q8's and k8's Dqk is their descriptors' box width. NWG: MMA
     # warpgroups, WARPGROUPS or (Dv = 256, dense batches without a window) WIDE_WARPGROUPS
     gl.static_assert(NWG == WGS or (NWG == WIDE_WGS and not VARLEN and not HAS_WINDOW),
-                     "launch._fwd_hopper_cfg's warpgroups")
-    gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (launch._hopper_why_not)")
+                     "configs.fwd_hopper's warpgroups")
+    gl.static_assert(CAUSAL or not HAS_WINDOW, "a sliding window is causal (plan.gluon_why_not)")
     # N: rows per head of the inputs (padded ones for VARLEN), N_OUT: of the outputs O, LSE
     base, length, start = _segment(CU, PCU, N, VARLEN)
     kvh, q0, pid_bh, n_k = _query_program(n_tiles, head_group, Hq, Hkv, length, GROUPS, CAUSAL, NWG,
@@ -224,11 +222,11 @@ def _fwd_hopper_kernel(
 
 def fwd_hopper(q8, k8, v8t, sq, sk, sv, out, lse, *, causal, softmax_scale, grid, n_tiles, head_group, stages,
                regs, segments=None, warpgroups=WARPGROUPS, window=None):
-    """Launch `_fwd_hopper_kernel` (shapes checked by launch._fwd_hopper; grid over the query blocks of
+    """Launch `_fwd_hopper_kernel` (inputs as plan.gluon_why_not takes them; grid over the query blocks of
     64 x `warpgroups` queries, or the longest sequence's blocks x the sequences; `regs`: each MMA warpgroup's
     registers). segments: a packed batch's kernels.segments.Segments, the fp8 inputs and scales in its padded
-    layout, out and lse packed. q8, k8 of head dim Dqk, v8t (token-major) of Dv. window: a causal sliding window
-    (launch.HOPPER_WINDOW), each query's keys in (pos - window, pos]."""
+    layout, out and lse packed. q8, k8 of head dim Dqk, v8t (token-major) of Dv. window: a causal sliding window,
+    each query's keys in (pos - window, pos]."""
     B, Hq, N, D = q8.shape
     Hkv, dv = k8.shape[1], v8t.shape[3]
     # a box is a power of two wide: MLA's Dqk = 192 reads 256 columns, TMA filling the 64 past the row with zeros

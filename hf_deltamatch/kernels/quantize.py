@@ -9,7 +9,7 @@ its sequence (varlen: from cu_seqlens[s]). One program per tile: load it, amax, 
 Optionally the tile is first transformed as hf_deltamatch.outliers defines q' and k' (docs/numerics.md, "Outlier
 channels"): its sequence's key mean subtracted (CENTER) and/or multiplied by a D x D rotation (ROTATE), each result
 rounded to the input dtype as the unfused transform rounds it, so the op pays no pass of its own over q and k.
-The rotation's launches give each program several consecutive tiles (launch.QUANTIZE_ROTATE_TILES): R staged once,
+The rotation's launches give each program several consecutive tiles (configs.QUANTIZE_ROTATE_TILES): R staged once,
 the next tiles' copies in flight while the current one is multiplied, reduced and stored.
 """
 
@@ -19,25 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs
 from ._fp8 import FP8_MAX, INTERPRET, tile_scale, to_fp8
-from .launch import _quantize_rotate_cfg, listed_triton
+from .toolchain import current as _toolchain
 from .transform import load_rotation, transform_rows
 
 FP8_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 TAIL_ROWS = 128  # the most rows a kernel's TMA tile reads (a key tile; 64 or 128 queries)
 
-# Whether _quantize_kernel writes the token-major copy itself (one pass over the input). Triton 3.9 compiles that
-# second store wrongly for sm_90 on dense batches (the forward's v8t came out as garbage or NaN on the H200 while
-# the row-major store, varlen batches and _token_major_kernel were right), so with any Triton but the 3.6 that
-# the GPU tests passed with, the copy is made by _token_major_kernel instead (the GPU tests pass with Triton 3.9
-# then; one more pass over the fp8 tensor, ~0.02 ms per tensor at B=2, H=16, N=8192, D=128).
-FUSED_TOKEN_MAJOR = listed_triton(triton.__version__, ("3.6",)) is not None
-# The same for quantize_padded's token-major copy (the padded layout: the forward's v8t and the backward's dO8^T
-# on packed batches and ragged N): fused only with the Triton versions whose GPU tests passed with it fused. With
-# Triton 3.7.1 at D=64 the fused copy gave the Gluon forward's out 0.5 off and dV NaN on the H200 (exactly the two
-# results that read it: benchmarks/results/2026-12-02-h200-triton371/), so there it comes from _token_major_kernel
-# over the padded row-major copy, with which every GPU test passed (benchmarks/results/2026-12-03-h200-triton371-pass/).
-FUSED_PADDED_TOKEN_MAJOR = listed_triton(triton.__version__, ("3.6", "3.9")) is not None
+# Whether _quantize_kernel writes the token-major copy itself (one pass over the input), and the padded layout's
+# (quantize_padded: the forward's v8t and the backward's dO8^T on packed batches and ragged N), by Triton release
+# (toolchain.RELEASES): elsewhere the copy comes from _token_major_kernel, one more pass over the fp8 tensor.
+FUSED_TOKEN_MAJOR = _toolchain().fused_token_major
+FUSED_PADDED_TOKEN_MAJOR = _toolchain().fused_padded_token_major
 
 
 @triton.jit
@@ -172,7 +166,7 @@ def _quantize_kernel(
 ):
     """Tiles pid_t * PER_PROGRAM .. + PER_PROGRAM - 1 of head pid_bh (and sequence pid_s: VARLEN) along the
     tokens; NT: the number of listed tiles (TILES). PER_PROGRAM > 1 (the rotation's launches:
-    launch._quantize_rotate_cfg) stages R once per program, and the compiler pipelines the tiles' loads."""
+    configs.quantize_rotate) stages R once per program, and the compiler pipelines the tiles' loads."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -304,11 +298,11 @@ def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=No
     some = next(t for t in (y, yt, py, pyt) if t is not None)
     rows = scale if scale is not None else ps
     zeros = (0, 0, 0, 0)
-    # the rotation's launches: several tiles per program (launch._quantize_rotate_cfg); NT: grid[0]'s tiles. Not
+    # the rotation's launches: several tiles per program (configs.quantize_rotate); NT: grid[0]'s tiles. Not
     # with a token-major copy (not the forward's q and k): its layout conversion spills at several tiles per program.
     per, warps, stages = 1, 8 if D > 128 else 4, 3
     if rotation is not None:
-        per, warps, stages = _quantize_rotate_cfg(math.prod(grid), D, x.device)
+        per, warps, stages = configs.quantize_rotate(math.prod(grid), D, x.device)
         if yt is not None or pyt is not None:
             per = 1
     _quantize_kernel[(triton.cdiv(grid[0], per), *grid[1:])](
