@@ -117,7 +117,8 @@ def _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k):
         raise ValueError("pass both cu_seqlens_q and cu_seqlens_k, or neither.")
     if cu_seqlens_q is not None:
         if B != 1:
-            raise ValueError(f"with cu_seqlens the batch must be 1 (sequences concatenated on the token axis); got {B}.")
+            raise ValueError(f"with cu_seqlens the batch must be 1 (sequences concatenated on the token axis); "
+                             f"got {B}.")
         _varlen.check_static(cu_seqlens_q, cu_seqlens_k, q.device)
 
 

@@ -31,8 +31,8 @@ class Case:
         return dict(causal=self.causal, cu_seqlens_q=self.cu_seqlens, cu_seqlens_k=self.cu_seqlens)
 
 
-CLASSES = ("gaussian", "sink-moderate", "sink-60", "sink-90", "sink-100", "outliers-scale", "outliers-bias", "sink-outliers",
-           "logits-80", "do-1e4", "do-1e-6", "masked-rows", "packed-1tok", "e5m2-sink")
+CLASSES = ("gaussian", "sink-moderate", "sink-60", "sink-90", "sink-100", "outliers-scale", "outliers-bias",
+           "sink-outliers", "logits-80", "do-1e4", "do-1e-6", "masked-rows", "packed-1tok", "e5m2-sink")
 
 
 def make_case(kind: str, *, B=1, Hq=2, Hkv=None, N=256, D=64, device="cpu", seed=0) -> Case:

@@ -90,7 +90,8 @@ def _fake_report(bench):
     }
     for res in ops.values():
         if res["status"] == "ok":
-            res["speedup_vs_base"] = {k: ops["sdpa-cudnn"][f"{k}_ms"] / res[f"{k}_ms"] for k in ("fwd", "bwd", "fwdbwd")}
+            res["speedup_vs_base"] = {k: ops["sdpa-cudnn"][f"{k}_ms"] / res[f"{k}_ms"]
+                                      for k in ("fwd", "bwd", "fwdbwd")}
     entry = {"name": "n8192c", "label": shape.label, "status": "done", "flops": flops, "ops": ops,
              "ratio_base": "sdpa-cudnn", "reference": "fp32, SDPA mem-efficient backend",
              "anchor_estimates_ms": {"fa4": 3.44, "cudnn-fp8": 2.968}}

@@ -8,7 +8,6 @@ gives errors of order 1). The FLA comparison is the `gpu` test at the end.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys

@@ -11,7 +11,6 @@ Both transforms are exact in real arithmetic, so:
     more than 2x (measured 2.8x / 2.2x at N=1024; at N=256 3.0x / 2.2x and 2.7x / 2.5x for seeds 0 and 1).
 """
 
-import math
 
 import pytest
 import torch

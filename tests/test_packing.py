@@ -29,7 +29,8 @@ def test_pack_token_lists_exact_blocks_and_boundaries():
 
 
 def test_collator_matches_flash_attention_varlen_layout():
-    blocks = [{"input_ids": [1, 2, 3, 4, 5, 6], "doc_lens": [2, 4]}, {"input_ids": [7, 8, 9, 10, 11, 12], "doc_lens": [6]}]
+    blocks = [{"input_ids": [1, 2, 3, 4, 5, 6], "doc_lens": [2, 4]},
+              {"input_ids": [7, 8, 9, 10, 11, 12], "doc_lens": [6]}]
     b = PackedCollator()(blocks)
     assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
     assert b["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]

@@ -56,7 +56,7 @@ def test_niah_needles_in_context(generated, task):
             n_answers = a["num_needle_v"] * a["num_needle_q"]
             assert len(r["outputs"]) == n_answers
             # the queried key(s) are named in the answer prefix, and each one's needle is in the context
-            keys = re.findall(rf"for (.+) mentioned", r["gen_prefix"])[0].replace(", and ", ", ").split(", ")
+            keys = re.findall(r"for (.+) mentioned", r["gen_prefix"])[0].replace(", and ", ", ").split(", ")
             assert len(keys) == a["num_needle_q"]
             for k in keys:
                 assert f"for {k} is: " in r["input"]

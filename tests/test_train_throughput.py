@@ -421,7 +421,8 @@ def test_issue45_suite_holds_every_row_the_issue_lists(tp, capsys):
                 want |= {(model, n, b, False, a, "bf16", compiled) for a in ("sdpa", "deltamatch_fp8")}
         want |= {("qwen3-0.6b", 8192, 1, True, a, "bf16", compiled) for a in ("sdpa", "deltamatch_fp8", "torch_varlen")}
         want |= {("gptoss-attn", 8192, 1, False, a, "bf16", compiled) for a in ("torch_varlen", "deltamatch_fp8")}
-        want |= {("hybrid-1p7b", 8192, 2, True, a, "bf16", compiled) for a in ("sdpa", "deltamatch_fp8", "torch_varlen")}
+        want |= {("hybrid-1p7b", 8192, 2, True, a, "bf16", compiled)
+                 for a in ("sdpa", "deltamatch_fp8", "torch_varlen")}
         want |= {("hybrid-1p7b", 65536, 1, True, a, "bf16", compiled) for a in ("sdpa", "deltamatch_fp8")}
     assert want <= have
     assert {r["ratio_base"] for r in rows if r["model"] == "gptoss-attn"} == {"torch_varlen"}
@@ -435,7 +436,8 @@ def test_issue45_suite_holds_every_row_the_issue_lists(tp, capsys):
     again = tp.plan_rows(tp.parse_args(["--suite", "issue45", "--baseline-runs", "2", "--match", "qwen3-1.7b 8192x1"]))
     assert [(r["attn"], r["run"]) for r in again if not r["compiled"]] == [("sdpa", 1), ("deltamatch_fp8", 1),
                                                                           ("sdpa", 2)]
-    assert tp.main(["--suite", "issue45", "--list"]) == 0 and "gptoss-attn 8192x1 torch_varlen" in capsys.readouterr().out
+    assert tp.main(["--suite", "issue45", "--list"]) == 0
+    assert "gptoss-attn 8192x1 torch_varlen" in capsys.readouterr().out
 
 
 def test_presets_are_the_issues_shapes(tp):
@@ -567,7 +569,8 @@ def test_ratios_by_group_and_base(tp):
 
     rows = [row("m", "sdpa", 100.0), row("m", "deltamatch_fp8", 120.0), row("m", "deltamatch_fp8", 90.0, True),
             row("m", "sdpa", 80.0, True), row("m", "deltamatch_fp8", 50.0, linears="fp8"),
-            row("g", "torch_varlen", 200.0, base="torch_varlen"), row("g", "deltamatch_fp8", 210.0, base="torch_varlen"),
+            row("g", "torch_varlen", 200.0, base="torch_varlen"),
+            row("g", "deltamatch_fp8", 210.0, base="torch_varlen"),
             row("g", "sdpa", None, base="torch_varlen", status="skipped")]
     tp.add_ratios(rows)
     assert [r["ratio_to_sdpa"] for r in rows] == [1.0, pytest.approx(1.2), pytest.approx(1.125), 1.0, None, 1.0,

@@ -123,7 +123,8 @@ def run_causal(model, kind):
     if kind == "decode":  # prefill a left-padded batch, then one token through the KV cache
         x, mask, pos = padded([20, 13], "left")
         out = model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=True)
-        step = model(input_ids=ids(2, 1, seed=7), attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1),
+        grown = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        step = model(input_ids=ids(2, 1, seed=7), attention_mask=grown,
                      position_ids=pos[:, -1:] + 1, past_key_values=out.past_key_values, use_cache=True)
         return [out.logits[mask.bool()], step.logits]
     if kind.startswith("train-"):

@@ -5,11 +5,11 @@ library imports this package. Heavy dependencies (lm-eval, datasets) are importe
 by the submodules that need them, so ``import hf_deltamatch.eval`` stays cheap.
 """
 
+from pathlib import Path as _Path
+
 DEFAULT_ATTN_IMPLEMENTATION = "deltamatch_fp8"
 
 # lm-eval task directory shipped with the package (RULER + commonsense preset).
-from pathlib import Path as _Path
-
 TASKS_DIR = _Path(__file__).resolve().parent / "tasks"
 
 __all__ = ["DEFAULT_ATTN_IMPLEMENTATION", "TASKS_DIR"]

@@ -2,9 +2,9 @@
 
 Reads what ``recipes/pretrain.py`` leaves in a run directory -- ``config.yaml`` (the recipe),
 ``summary.json`` (steps, tokens, losses), ``metrics.jsonl`` (loss curve), ``final/config.json``
-(the model; ``model_config.json`` in a results folder that keeps no weights) -- plus one or more lm-eval results files (``hf-deltamatch eval --output_path``), and
-writes ``README.md`` with YAML metadata (``model-index`` built with huggingface_hub's
-``EvalResult``) and ``loss_curve.png``. The card is re-read with ``ModelCard.load`` before
+(the model; ``model_config.json`` in a results folder that keeps no weights) -- plus one or more lm-eval results
+files (``hf-deltamatch eval --output_path``), and writes ``README.md`` with YAML metadata (``model-index`` built
+with huggingface_hub's ``EvalResult``) and ``loss_curve.png``. The card is re-read with ``ModelCard.load`` before
 returning, so a card that the Hub would reject is never left behind silently.
 """
 

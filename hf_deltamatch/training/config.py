@@ -168,7 +168,8 @@ def _parse_jsonish(name: str, value: str):
     try:
         return json.loads(s)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--{name}: expected JSON (e.g. '{{\"rope_type\": \"yarn\", \"factor\": 8}}'), got {value!r}: {e}")
+        raise ConfigError(f"--{name}: expected JSON (e.g. '{{\"rope_type\": \"yarn\", \"factor\": 8}}'), "
+                          f"got {value!r}: {e}")
 
 
 def build_parser(description: str = "hf_deltamatch training recipe") -> argparse.ArgumentParser:
@@ -180,16 +181,19 @@ def build_parser(description: str = "hf_deltamatch training recipe") -> argparse
     for name, f in FIELDS.items():
         default = getattr(defaults, name)
         if name in _BOOL:
-            p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None, help=f"(default {default})")
+            p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
+                           help=f"(default {default})")
         elif name in _JSONISH:
-            p.add_argument(f"--{name}", type=str, default=None, help="JSON or path" if name == "model_config" else "JSON")
+            p.add_argument(f"--{name}", type=str, default=None,
+                           help="JSON or path" if name == "model_config" else "JSON")
         else:
             typ = int if name in _INT else float if name in _FLOAT else str
             p.add_argument(f"--{name}", type=typ, default=None, help=f"(default {default!r})")
     return p
 
 
-def parse_config(argv: list[str] | None = None, base: dict | None = None, description: str | None = None) -> TrainConfig:
+def parse_config(argv: list[str] | None = None, base: dict | None = None,
+                 description: str | None = None) -> TrainConfig:
     """TrainConfig from (dataclass defaults) <- base (a stage's defaults) <- --config file <- CLI flags."""
     parser = build_parser(description or "hf_deltamatch training recipe")
     args = parser.parse_args(argv)

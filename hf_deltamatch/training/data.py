@@ -108,7 +108,8 @@ def resolve_data(cfg: TrainConfig) -> tuple[str, object]:
     if cfg.data == "stdlib":
         return "json", [str(build_stdlib_corpus(default_cache_root() / "corpus", cfg.corpus_bytes))]
     patterns = [cfg.data] if isinstance(cfg.data, str) else list(cfg.data)
-    if cfg.data_format == "hub" or (len(patterns) == 1 and _looks_like_hub_name(patterns[0]) and cfg.data_format == "auto"):
+    one_hub_name = len(patterns) == 1 and _looks_like_hub_name(patterns[0])
+    if cfg.data_format == "hub" or (one_hub_name and cfg.data_format == "auto"):
         return "hub", patterns[0]
     files = sorted({f for pat in patterns for f in glob.glob(str(pat), recursive=True)})
     if not files:

@@ -214,7 +214,8 @@ def _train(cfg: TrainConfig) -> dict:
     schedulers = build_schedulers(optimizers, cfg)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    prepared = accelerator.prepare(wrapped, *optimizers, *schedulers, train_dl, *([val_dl] if val_dl is not None else []))
+    prepared = accelerator.prepare(wrapped, *optimizers, *schedulers, train_dl,
+                                   *([val_dl] if val_dl is not None else []))
     wrapped = prepared[0]
     optimizers = list(prepared[1:1 + len(optimizers)])
     schedulers = list(prepared[1 + len(optimizers):1 + 2 * len(optimizers)])

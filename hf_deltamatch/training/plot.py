@@ -161,7 +161,8 @@ def table_markdown(runs: list[dict]) -> str:
             s.get("delta", "—") if s.get("attn") == "deltamatch_fp8" else "—",
             tr[-1]["step"] if tr else "—", f(tr[-1]["tokens"] if tr else None, "{:,}"),
             f(tr[0]["loss"] if tr else None, "{:.4f}"), f(tr[-1]["loss"] if tr else None, "{:.4f}"),
-            f(ev[-1]["val_loss"] if ev else None, "{:.4f}"), f(_loss_at(tr, common), "{:.4f}"), f(sum(tps) / len(tps) if tps else None, "{:,.0f}"),
+            f(ev[-1]["val_loss"] if ev else None, "{:.4f}"), f(_loss_at(tr, common), "{:.4f}"),
+            f(sum(tps) / len(tps) if tps else None, "{:,.0f}"),
             f(max((r["mem_gb"] for r in tr), default=None), "{:.1f}")))
     return "\n".join(rows) + "\n"
 

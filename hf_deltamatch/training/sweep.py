@@ -150,7 +150,8 @@ def write_seed_summary(root: Path) -> SeedStats:
     (root / "seeds.json").write_text(json.dumps(record, indent=1))
     rows = "".join(f"| {s} | {v:.4f} |\n" for s, v in zip(stats.seeds, stats.values))
     (root / "seeds.md").write_text(
-        "| seed | final val CE |\n|---|---|\n" + rows + f"\nmean {stats.mean:.4f} ± {stats.std:.4f} (std), range {stats.spread:.4f} over {stats.n} seeds\n")
+        "| seed | final val CE |\n|---|---|\n" + rows
+        + f"\nmean {stats.mean:.4f} ± {stats.std:.4f} (std), range {stats.spread:.4f} over {stats.n} seeds\n")
     return stats
 
 

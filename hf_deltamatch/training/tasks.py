@@ -13,8 +13,8 @@ over `vocab` ordinary tokens `w0..w{vocab-1}` and `triggers` trigger tokens `T0.
     from it. w_1 is uniform, and no sequence starts or ends with a trigger.
 Predicting a copy needs attention (to the token before the trigger); predicting a bigram step needs none. So
 attention has work on few queries, and a head with nothing to do parks its attention on <bos>, the one key every
-query sees: the sink. The sink key is the first token of each document, which is what `--attn_stats` and `hf-deltamatch check
---model` measure as sink mass.
+query sees: the sink. The sink key is the first token of each document, which is what `--attn_stats` and
+`hf-deltamatch check --model` measure as sink mass.
 
 Validation reports, beside the cross-entropy over all tokens, the task's accuracy: top-1 accuracy of the
 copy targets (the token after each trigger, the one deterministic prediction), and their cross-entropy.
