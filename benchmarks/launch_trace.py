@@ -108,6 +108,11 @@ def _as_on_the_h200():
         plan.select.cache_clear()
         undo.append(lambda: (setattr(toolchain, "sm90_ptxas_major", ptxas), setattr(toolchain, "current", current),
                              setattr(plan, "SIMULATE_SM90", False), plan.select.cache_clear()))
+    # the quantization pass's token-major stores as Triton 3.6 has them (fused: toolchain.RELEASES), read at import
+    Q = importlib.import_module("hf_deltamatch.kernels.quantize")
+    fused = Q.FUSED_TOKEN_MAJOR, Q.FUSED_PADDED_TOKEN_MAJOR
+    Q.FUSED_TOKEN_MAJOR = Q.FUSED_PADDED_TOKEN_MAJOR = True
+    undo.append(lambda: (setattr(Q, "FUSED_TOKEN_MAJOR", fused[0]), setattr(Q, "FUSED_PADDED_TOKEN_MAJOR", fused[1])))
     try:
         yield launches
     finally:

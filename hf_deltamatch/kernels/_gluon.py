@@ -10,6 +10,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._descriptors import descriptor
 from ._fp8 import SCALE_FLOOR, UNITS_SPAN
 
 # Triton renamed the TMA copy into shared memory after 3.6 (3.9 keeps the old name only to raise)
@@ -61,13 +62,13 @@ def _desc(x, block):
     token-major one (kernels.quantize.token_major: (B, H, D, N16) storage)."""
     B, H, N, D = x.shape
     if x.stride(2) == 1:
-        return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], block, _layout(tuple(block)))
-    return TensorDescriptor(x, [B * H * N, D], [D, 1], block, _layout(tuple(block)))
+        return descriptor(TensorDescriptor, x, (B * H * D, N), (x.stride(3), 1), block, _layout(tuple(block)))
+    return descriptor(TensorDescriptor, x, (B * H * N, D), (D, 1), block, _layout(tuple(block)))
 
 
 def _row_desc(x, box=QUERIES_PER_TILE):
     """1-D TMA descriptor over the (B, H, N) fp32 row values x (LSE2, delta), boxes of `box` rows."""
-    return TensorDescriptor(x.view(-1), [x.numel()], [1], [box], ROW_LAYOUT.value)
+    return descriptor(TensorDescriptor, x.view(-1), (x.numel(),), (1,), (box,), ROW_LAYOUT.value)
 
 
 @gluon.jit

@@ -33,6 +33,16 @@ def tune_key() -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in TUNE.items()))
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code (triton.cdiv is a constexpr function since Triton 3.5: microseconds per call)."""
+    return -(-a // b)
+
+
+def pow2(x: int) -> int:
+    """The power of two at or above x >= 1 (triton.next_power_of_2, as plain host arithmetic)."""
+    return 1 << (x - 1).bit_length()
+
+
 # ----------------------------------------------------------------------------------------------------
 # The Triton kernels (forward.py, backward.py): every supported input
 # ----------------------------------------------------------------------------------------------------

@@ -15,13 +15,14 @@ import logging
 import math
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import _varlen
 from .._tensor_cache import TensorCache
+from . import configs
 from . import plan as P
 from . import toolchain
+from ._descriptors import descriptor
 from ._fp8 import FP8_MAX, INTERPRET
 from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _fwd_kernel
@@ -113,8 +114,8 @@ def _desc(x, tokens: int, dims: int):
     (B, H, D, N16) storage (boxes then `dims` x `tokens`, read transposed by _tile; TMA fills zeros past N)."""
     B, H, N, D = x.shape
     if x.stride(2) == 1:  # token-major
-        return TensorDescriptor(x, [B * H * D, N], [x.stride(3), 1], [dims, tokens])
-    return TensorDescriptor(x, [B * H * (x.stride(1) // D), D], [D, 1], [tokens, dims])
+        return descriptor(TensorDescriptor, x, (B * H * D, N), (x.stride(3), 1), (dims, tokens))
+    return descriptor(TensorDescriptor, x, (B * H * (x.stride(1) // D), D), (D, 1), (tokens, dims))
 
 
 def _tma_rows(t, varlen: bool) -> bool:
@@ -213,7 +214,7 @@ def forward(q, k, v, *, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_
         return out, lse, q8, k8, v8, sq, sk, sv
     lc = f.launch
     tma, BLOCK_M = lc["tma"], lc["block_m"]
-    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
+    bdqk, bdv = configs.pow2(dqk), configs.pow2(dv)
     if tma:  # 2-D views of the contiguous q8, k8 and token-major v8 storage (B, Hkv, Dv, M)
         qa, ka, va = _desc(q8, BLOCK_M, bdqk), _desc(k8, T, bdqk), _desc(v8t, T, bdv)
     dummy = lse
@@ -322,7 +323,7 @@ def backward(do, q, k, v, out, lse, q8, k8, v8, q_scale, k_scale, v_scale, *, ca
     else:
         doa = do
         sq = sk = sv = sdo = delta  # unused
-    bdqk, bdv = triton.next_power_of_2(dqk), triton.next_power_of_2(dv)
+    bdqk, bdv = configs.pow2(dqk), configs.pow2(dv)
     common = dict(DQK=dqk, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
                   CAUSAL=bool(causal), HAS_WINDOW=bool(causal) and window is not None, VARLEN=varlen, FP8=fp8,
                   FMAX=FP8_MAX[config.grad_format], E5M2=config.grad_format == "e5m2",

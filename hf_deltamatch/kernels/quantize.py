@@ -236,7 +236,7 @@ def quantize(x, block, fmt="e4m3", rounding="fp32", cu_seqlens=None, max_len=Non
     if tiled:
         grid = (segments.tiles.numel() // 2, B * H, 1)
     else:
-        grid = (triton.cdiv(max(max_len if cu_seqlens is not None else N, 1), block), B * H, nseq)
+        grid = (configs.cdiv(max(max_len if cu_seqlens is not None else N, 1), block), B * H, nseq)
     _launch(x, grid, block, fmt, rounding, y=y, yt=yt, scale=scale, cu=segments.tiles if tiled else cu_seqlens,
             varlen=cu_seqlens is not None, tiles=tiled, k_order=k_order, rotation=rotation, means=means,
             seq_cu=segments.cu if tiled else None)
@@ -305,13 +305,13 @@ def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=No
         per, warps, stages = configs.quantize_rotate(math.prod(grid), D, x.device)
         if yt is not None or pyt is not None:
             per = 1
-    _quantize_kernel[(triton.cdiv(grid[0], per), *grid[1:])](
+    _quantize_kernel[(configs.cdiv(grid[0], per), *grid[1:])](
         x, some if y is None else y, some if yt is None else yt, rows, cu,
         some if py is None else py, some if pyt is None else pyt, rows if ps is None else ps,
         x if rotation is None else rotation, x if means is None else means, rows if seq is None else seq,
         *x.stride(), *(y.stride() if y is not None else zeros), *(yt.stride() if yt is not None else zeros),
         H, N, ps.shape[2] if ps is not None else 0, means.shape[2] if means is not None else 1, grid[0],
-        D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D),
+        D=D, BLOCK_T=block, BLOCK_D=configs.pow2(D),
         FMAX=FP8_MAX[fmt], E5M2=fmt == "e5m2", POW2=rounding == "pow2",
         WRITE_Y=y is not None, WRITE_YT=yt is not None, VARLEN=varlen, INTERP=INTERPRET,
         K_ORDER=bool(k_order), TILES=tiles, WRITE_S=scale is not None, WRITE_PY=py is not None,
@@ -396,7 +396,7 @@ def _copy_tokens(x8, k_order, src, token_major_out):
     else:
         y = torch.empty((B, H, N, D), dtype=x8.dtype, device=x8.device)
     if y.numel():
-        _token_major_kernel[(triton.cdiv(N, 128), B * H)](
+        _token_major_kernel[(configs.cdiv(N, 128), B * H)](
             x8, y, src if src is not None else y, *x8.stride(), *y.stride(), H, N, D=D, BLOCK_T=128,
-            BLOCK_D=triton.next_power_of_2(D), K_ORDER=bool(k_order), HAS_SRC=src is not None, num_warps=4)
+            BLOCK_D=configs.pow2(D), K_ORDER=bool(k_order), HAS_SRC=src is not None, num_warps=4)
     return y

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs
 from ._fp8 import INTERPRET, cast_to
 from .. import outliers
 
@@ -84,9 +85,9 @@ def center_rotate_(x, means, rotation=None, cu_seqlens=None):
         return x
     seq = outliers.sequence_of_tokens(cu_seqlens, N).to(torch.int32) if cu_seqlens is not None else None
     block = 64 if D > 128 or rotation is not None else 128  # the fp32 product tile: 64 x 128 over 4 warps
-    _center_rotate_kernel[(triton.cdiv(N, block), B * H)](
+    _center_rotate_kernel[(configs.cdiv(N, block), B * H)](
         x, means, seq if seq is not None else means, rotation if rotation is not None else means, *x.stride(),
-        H, N, nmean, D=D, BLOCK_T=block, BLOCK_D=triton.next_power_of_2(D), VARLEN=cu_seqlens is not None,
+        H, N, nmean, D=D, BLOCK_T=block, BLOCK_D=configs.pow2(D), VARLEN=cu_seqlens is not None,
         ROTATE=rotation is not None, INTERP=INTERPRET, num_warps=4)
     return x
 
