@@ -208,7 +208,7 @@ def cpu_section(trees, rounds, calls=200):
     is imported once per process), the trees taking turns round by round."""
     import subprocess
 
-    times = {t: {c: [] for c in CPU_CASES} for t in trees}
+    times = {t: {f"{part} {c}": [] for part in ("kernels", "op") for c in CPU_CASES} for t in trees}
     for _ in range(rounds):
         for tree in trees:
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -228,6 +228,9 @@ sys.path.insert(0, {tree!r})
 import torch
 from hf_deltamatch.config import DeltaMatchConfig
 from hf_deltamatch.kernels import ops as KO
+from hf_deltamatch import attention, deltamatch_attention, kernels
+attention.resolve_backend = lambda config, device: "triton"  # CPU tensors, the GPU's path
+kernels.supports = lambda *args: None
 sys.path.insert(0, {bench!r})
 import launch_trace
 res = {{}}
@@ -238,17 +241,24 @@ for name, (B, hq, hkv, n, d, causal, window, docs) in {cases}.items():
     cu = None if docs is None else torch.cumsum(torch.tensor((0, *docs)), 0).to(torch.int32)
     kw = dict(causal=causal, softmax_scale=d ** -0.5, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu,
               config=DeltaMatchConfig())
+    leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
     with launch_trace._as_on_the_h200() as launches:
-        def step():
+        def kernels_step():
             f = KO.forward(q, k, v, **kw)
             KO.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             launches.clear()
-        for _ in range(20):
-            step()
-        t = time.perf_counter()
-        for _ in range({calls}):
-            step()
-        res[name] = (time.perf_counter() - t) * 1e3 / {calls}
+
+        def op_step():
+            out = deltamatch_attention(*leaves, causal=causal, window=window, cu_seqlens_q=cu, cu_seqlens_k=cu)
+            torch.autograd.grad(out, leaves, do)
+            launches.clear()
+        for part, step in (("kernels", kernels_step), ("op", op_step)):
+            for _ in range(20):
+                step()
+            t = time.perf_counter()
+            for _ in range({calls}):
+                step()
+            res[part + " " + name] = (time.perf_counter() - t) * 1e3 / {calls}
 print(json.dumps(res))
 """
 
@@ -258,9 +268,10 @@ def cpu_main(args):
     times = cpu_section(trees, args.rounds)
     import statistics
 
-    lines = [f"package host ms per kernels.forward + kernels.backward call, launches caught before Triton (CPU, "
-             f"{args.rounds} rounds of 200 calls; mean ± std over rounds)", "",
-             "| tree | " + " | ".join(CPU_CASES) + " |", "|---|" + "---|" * len(CPU_CASES)]
+    lines = [f"package host ms per fwd+bwd call, launches caught before Triton (CPU, {args.rounds} rounds of 200 calls;"
+             f" mean ± std over rounds): `kernels` = kernels.forward + kernels.backward, `op` = deltamatch_attention"
+             f" under autograd (the kernels' path)", "",
+             "| tree | " + " | ".join(times[trees[0]]) + " |", "|---|" + "---|" * len(times[trees[0]])]
     for tree in trees:
         cells = [f"{statistics.mean(v):.3f} ± {statistics.stdev(v) if len(v) > 1 else 0:.3f}"
                  for v in times[tree].values()]

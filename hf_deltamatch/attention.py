@@ -342,15 +342,15 @@ torch.library.register_autograd("hf_deltamatch::attention_forward", _backward, s
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The custom op's forward, setup and backward without torch.library's dispatch (eager calls)."""
+    """The custom op's forward, setup and backward without torch.library's dispatch (eager calls). Its forward takes
+    ctx itself: with a separate setup_context, Function.apply binds the forward's signature through inspect on every
+    call, host time that a training step pays per layer."""
 
     @staticmethod
-    def forward(q, k, v, *args):
-        return _forward_impl(q, k, v, *args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, q, k, v, *args):
+        output = _forward_impl(q, k, v, *args)
+        _setup_context(ctx, (q, k, v, *args), output)
+        return output
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, *unused):
@@ -393,6 +393,11 @@ def deltamatch_attention(
                    The returned LSE then includes the sink.
     return_lse:    also return the LSE; a gradient through it is folded into dS (docs/numerics.md).
     """
+    compiling = torch.compiler.is_compiling()
+    if not compiling and torch._C._are_functorch_transforms_active():
+        raise NotImplementedError("deltamatch_attention does not run under torch.func transforms (grad, vjp, vmap): "
+                                  "its backward is a custom kernel pass. Use torch.autograd (loss.backward(), "
+                                  "torch.autograd.grad) instead.")
     config = (config or _default_config).with_env_overrides()
     cu_seqlens_q, cu_seqlens_k = _as_cu_seqlens(cu_seqlens_q, q.device), _as_cu_seqlens(cu_seqlens_k, q.device)
     _check_inputs(q, k, v, causal, window, cu_seqlens_q, cu_seqlens_k)
@@ -432,7 +437,7 @@ def deltamatch_attention(
         else:
             q, k, key_means = outliers.transform_qk(q, k, config.qk_rotation, config.smooth_k, cu_seqlens_k)
     # torch.compile traces the custom op; eager calls take the same code without its dispatch (module docstring)
-    op = _attention_forward if torch.compiler.is_compiling() else _EagerAttention.apply
+    op = _attention_forward if compiling else _EagerAttention.apply
     out, lse, *_ = op(
         q, k, v, bool(causal), float(softmax_scale), window, cu_seqlens_q, cu_seqlens_k, config.precision,
         config.delta, config.block, config.scale_rounding, config.grad_format, backend, config.deterministic, sinks,

@@ -2,7 +2,8 @@
 
 The LSE's gradient is held to float64 exact attention's (autograd through a materialized logsumexp): bf16 mode
 within 2e-2 (bf16 operands and dS, as the op's own accuracy tests), fp8 within the op's FP8 gradient bound (0.11).
-A second derivative through the op is refused with an error, never differentiated through the backward's ops.
+A second derivative through the op is refused with an error, never differentiated through the backward's ops;
+so are torch.func's transforms.
 """
 
 import math
@@ -108,3 +109,14 @@ def test_second_derivative_raises(compiled):
     torch.testing.assert_close(dq, ref[0].grad, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="no second derivative"):
         (dq.float() ** 2).sum().backward()
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_are_refused(transform):
+    """torch.func's transforms would need a functorch rule for the kernels' backward: a clear error, not a crash
+    deep inside the op."""
+    q, k, v, _, _ = inputs(n=32)
+    fn = lambda q: deltamatch_attention(q, k, v, config=FP8).float().sum()  # noqa: E731
+    call = torch.func.grad(fn) if transform == "grad" else torch.func.vmap(fn)
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        call(q)
