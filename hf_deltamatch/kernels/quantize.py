@@ -281,9 +281,12 @@ def quantize_padded(x, segments, fmt="e4m3", rounding="fp32", packed=True, row_m
 
 
 def _fill_outside(t, segments, value):
-    """Fill the rows of t (B, H, N, ...) before the first sequence and from the last one's end on."""
-    t[:, :, :segments.first] = value
-    t[:, :, segments.last:] = value
+    """Fill the rows of t (B, H, N, ...) before the first sequence and from the last one's end on (none in a row
+    that the sequences cover, the usual packed batch: no call then)."""
+    if segments.first > 0:
+        t[:, :, :segments.first] = value
+    if segments.last < t.shape[2]:
+        t[:, :, segments.last:] = value
 
 
 def _launch(x, grid, block, fmt, rounding, *, y=None, yt=None, scale=None, cu=None, varlen=False, tiles=False,
