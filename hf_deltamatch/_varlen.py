@@ -113,11 +113,18 @@ def _read(cu_q: torch.Tensor, cu_k: torch.Tensor, n: int, m: int, cover: bool = 
     if bq == tuple(host_q) and cu_q.dtype == torch.int32 and cu_q.is_contiguous():
         cq = cu_q
     else:
-        cq = torch.tensor(bq, dtype=torch.int32, device=cu_q.device)
+        cq = _to_device(bq, cu_q.device)
     if same:
         ck = cq
     elif bk == tuple(host_k) and cu_k.dtype == torch.int32 and cu_k.is_contiguous():
         ck = cu_k
     else:
-        ck = torch.tensor(bk, dtype=torch.int32, device=cu_k.device)
+        ck = _to_device(bk, cu_k.device)
     return Varlen(cq, ck, bq, bk, same)
+
+
+def _to_device(values: tuple, device: torch.device) -> torch.Tensor:
+    """int32 host values on `device`; to a GPU from pinned memory, queued behind the work already there (a copy
+    from pageable memory would wait for the GPU: a second synchronization per forward)."""
+    t = torch.tensor(values, dtype=torch.int32)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

@@ -158,6 +158,7 @@ def test_split_precision_ablation(split, device):
 @pytest.mark.gpu
 def test_recipe_attn_stats_on_gpu(tmp_path):
     """The monitor around the Triton kernels (head_dim 64) in a CUDA training run."""
+    pytest.importorskip("datasets", reason="the recipe reads its corpus with datasets")
     from _recipe_helpers import TINY_MODEL
 
     corpus = write_corpus(tmp_path / "c.jsonl", n_docs=80)

@@ -46,7 +46,7 @@ def _syncs(layers, kind):
                                num_attention_heads=4, num_key_value_heads=2)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="deltamatch_fp8", dtype=torch.bfloat16)
     model.cuda().train()
-    batch = {k: v.cuda() for k, v in _inputs(kind).items()}
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _inputs(kind).items()}
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100) if "attention_mask" in batch \
         else batch["input_ids"]
     for _ in range(2):  # the first step compiles the kernels

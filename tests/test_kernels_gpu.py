@@ -123,8 +123,9 @@ def test_varlen_tma_aligned_starts():
     """Sequence starts that are multiples of 16 tokens: the kernels read through TMA descriptors (others take
     the pointer path, tests/test_kernels.py), tokens past the last sequence included (their q8/k8/v8 are
     unspecified, so the *_mismatch figures printed for this case count them)."""
-    cu = torch.tensor([0, 1024, 1040, 3008], device="cuda")
-    assert KO.sequences(cu, cu, cu, cu)[1].aligned
+    cu = torch.tensor([0, 1024, 1040, 3008], dtype=torch.int32, device="cuda")
+    z = torch.empty(1, 1, 4096, 8, device="cuda")
+    assert KO.sequences(z, z, cu, cu)[1].aligned
     assert C.use_tma("fwd", True, 128, 128) and C.use_tma("dq", True, 128, 128)
     _compare(B=1, Hq=4, Hkv=2, N=4096, Dqk=128, cu=[0, 1024, 1040, 3008], window=None)
 
@@ -307,8 +308,9 @@ def test_dq_hopper_kernel(monkeypatch, stages, pingpong):
     with _variant(dq_kernel="gluon", dkdv_kernel="gluon", **opts):
         _compare(B=1, Hq=4, Hkv=4, N=2048, Dqk=128, causal=False)
         _compare(B=1, Hq=4, Hkv=2, N=1280, Dqk=64)
-        res = _invariant(8192)
-        res64 = _invariant(2048, D=64)
+        # matching only: the Gluon dQ kernel computes the matching delta (a stale run cannot be pinned to it)
+        res = _invariant(8192, deltas=("matching", ))
+        res64 = _invariant(2048, D=64, deltas=("matching", ))
     assert res["matching"] <= 1e-5 and res64["matching"] <= 1e-5
     for errs in _gluon_vs_triton(dict(dq_kernel="gluon", dkdv_kernel="triton"), opts, seed=4):
         assert max(errs) < 1e-3, errs
@@ -825,12 +827,12 @@ def test_head_dim_256_bf16_mode():
     _compare(B=1, Hq=4, Hkv=1, N=1000, Dqk=192, Dv=128, precision="bf16", causal=False)
 
 
-def _invariant(N, D=128):
+def _invariant(N, D=128, deltas=("matching", "stale")):
     """{delta mode: ||sum_j dS_ij|| / ||sum_j |dS_ij||| over rows} at N keys, head dim D, causal."""
     B, H = 1, 2
     q, k, v, do = _inputs(B, H, H, N, N, D, D, torch.bfloat16, seed=1)
     res = {}
-    for delta in ("matching", "stale"):
+    for delta in deltas:
         cfg = DeltaMatchConfig(delta=delta)
         kw = dict(causal=True, softmax_scale=D ** -0.5, window=None, cu_seqlens_q=None, cu_seqlens_k=None,
                   config=cfg)
@@ -870,7 +872,7 @@ def test_tokens_outside_sequences_are_zero_and_tma_matches_pointers():
         for tma in (True, False):
             # the Triton kernels' two paths (the Gluon ones take packed batches by default: test_hopper_packed)
             with _variant(fwd_tma=tma, dq_tma=tma, **TRITON):
-                assert KO._seq_info(q, k, cu, cu)[5]
+                assert KO.sequences(q, k, cu, cu)[1].aligned
                 out = K.forward(q, k, v, **kw)[:2]
                 grads = K.backward(do, q, k, v, f[0], f[1], *f[2:], **kw)
             results.append([out[0][:, :, :2720], out[1][:, :, :2720], *grads])
