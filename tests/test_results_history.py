@@ -77,7 +77,7 @@ def test_seed_reads_a_results_tree(history, tmp_path):
     assert history.main(["--seed", str(root), "--csv", str(out)]) == 0
     rows = _rows(out)
     assert rows and all(r["source"].startswith("benchmarks/results/run/") for r in rows)
-    assert {r["metric"] for r in rows} == {"fwdbwd_ms", "graph_fwdbwd_ms", "tokens_per_s"}
+    assert {r["metric"] for r in rows} == {"fwdbwd_ms", "graph_fwdbwd_ms", "tokens_per_s", "peak_gib"}
 
 
 def test_history_csv_is_complete():
@@ -86,7 +86,7 @@ def test_history_csv_is_complete():
     for r in rows:
         assert r["date"] and r["gpu"] and r["torch"] and r["triton"] and r["source"], r
         float(r["value"])
-        assert r["metric"] in ("fwdbwd_ms", "graph_fwdbwd_ms", "tokens_per_s"), r
+        assert r["metric"] in ("fwdbwd_ms", "graph_fwdbwd_ms", "tokens_per_s", "peak_gib"), r
 
 
 def test_a_train_step_json_appends(history, tmp_path):

@@ -133,7 +133,7 @@ def train_runs(report: dict) -> tuple[dict, list[dict]]:
         if r.get("status") != "ok" or not isinstance(r.get("tokens_per_s"), (int, float)):
             continue
         setting = str(r.get("setting", ""))
-        model = TRAIN_SETTINGS.get(setting, Path(setting).stem)
+        model = TRAIN_SETTINGS.get(setting, Path(setting).stem if setting.endswith((".yaml", ".yml")) else setting)
         linears = r.get("linears") or ("fp8" if fp8_flag else "bf16")
         norms = r.get("norms") or "eager"
         out.append({"model": model, "attn": r["attn"], "linears": linears, "norms": norms,
