@@ -2,9 +2,8 @@
 
 Under `torch.compile` the op is a `torch.library` custom op with a registered autograd formula, so the compiler
 traces it as one node (no graph break). Eager calls take a plain `torch.autograd.Function` around the same
-forward and backward: on the H200 torch.profiler counts ~0.5 ms less host time per forward + backward without
-the custom op's Python dispatch and zero-filled gradients, and at 4K tokens per sequence the host time is about
-the GPU time of the kernels (docs/kernels.md).
+forward and backward, without the custom op's Python dispatch and zero-filled gradients: host time that a training
+step pays per layer (docs/kernels.md, "Host time").
 """
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ class DeltaMatchConfig:
     grad_format:    FP8 format of dO and dS: "e4m3" (default) or "e5m2".
     backend:        "auto" (Triton on CUDA, reference elsewhere), "triton" or "reference".
     deterministic:  bit-reproducible gradients. Both backends already are (the Triton backward writes every
-                    dQ/dK/dV element once, no atomics: fusing dQ into dK/dV by atomics made backward 2x slower on
-                    the H200), so this costs nothing today; it stays so that a future faster non-deterministic path
-                    is opt-in.
+                    dQ/dK/dV element once, no atomics: a dQ fused into dK/dV by atomics was slower,
+                    docs/kernels.md), so this costs nothing today; it stays so that a future faster
+                    non-deterministic path is opt-in.
     qk_rotation:    "hadamard" rotates q and k by one fixed orthogonal matrix over the head dim (random signs
                     times a Hadamard matrix) before quantization: scores unchanged in exact arithmetic, outlier
                     channels spread over all channels; "none" (default). docs/numerics.md, "Outlier channels".

@@ -37,11 +37,6 @@ def test_relative_links_resolve():
     assert not broken, "\n".join(broken)
 
 
-# The kernels' comments (and their GPU tests') are rewritten with the kernels' dispatch-plan change (issue #48);
-# they join this check with it.
-_KERNEL_FILES = ("hf_deltamatch/kernels/", "tests/test_kernels_gpu.py", "tests/test_sm90_registers.py")
-
-
 def test_no_removed_run_folder_is_cited():
     """Run folders are gone from benchmarks/results; text that still names one points nowhere. The results READMEs
     (which say where earlier runs are) and the CSV (whose `source` column is their path) are the exceptions."""
@@ -49,8 +44,7 @@ def test_no_removed_run_folder_is_cited():
     cited = []
     for path in _tracked("*.md", "*.py", "*.sh", "*.yaml", "*.toml"):
         rel = str(path.relative_to(REPO))
-        if rel in allowed or rel.startswith(("benchmarks/results/current/", "recipes/results/", "eval/results/",
-                                             *_KERNEL_FILES)):
+        if rel in allowed or rel.startswith(("benchmarks/results/current/", "recipes/results/", "eval/results/")):
             continue
         for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             if _RUN_FOLDER.search(line) and "git show" not in line:

@@ -517,7 +517,7 @@ def _isolated_rows(rows):
     boundary can round to the neighbouring fp8 value in one of them: its row moves by one fp8 step of that product
     (e4m3: 1/8 relative), which at small N is more than 1e-3 of the whole gradient's norm. On the H200 at N = 129,
     D = 64, full mask, MHA, dV differed in 1 row of 1032 (1.8e-3), where the Triton kernel was the one off the
-    reference backend (3.3e-3 against the Gluon kernel's 2.7e-3, benchmarks/results/2026-12-02-h200-triton371/). A
+    reference backend (3.3e-3 against the Gluon kernel's 2.7e-3; gpu-tests.md in benchmarks/results/current/). A
     masking or indexing fault moves many rows."""
     differ = int((rows > 0).sum())
     print(f"  {differ} of {rows.numel()} rows differ")

@@ -1,10 +1,10 @@
 """TMA descriptors built without checking again what does not change between calls.
 
-Triton checks a descriptor's shape, strides, block and layout each time one is built, which costs several
-microseconds of host time per descriptor (the Gluon kernels take five or six per launch); a training step builds the
-same ones layer after layer. Each (class, dtype, shape, strides, block, layout) is checked once, on an empty tensor
-of the dtype, and later descriptors take its fields with their own base, whose 16-byte alignment is still checked
-(a misaligned base goes through Triton's constructor, which raises).
+Triton checks a descriptor's shape, strides, block and layout each time one is built, host time on every launch
+(the Gluon kernels take five or six descriptors each); a training step builds the same ones layer after layer. Each
+(class, dtype, shape, strides, block, layout) is checked once, on an empty tensor of the dtype, and later descriptors
+take its fields with their own base, whose 16-byte alignment is still checked (a misaligned base goes through
+Triton's constructor, which raises).
 """
 
 from __future__ import annotations

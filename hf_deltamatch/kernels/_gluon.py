@@ -53,7 +53,7 @@ def fp8_operand(x, layout: gl.constexpr):
 
 @functools.lru_cache(maxsize=None)
 def _layout(block):
-    """The shared-memory layout of an fp8 TMA box (cached: building it costs ~20 us of host time per launch)."""
+    """The shared-memory layout of an fp8 TMA box (cached: building one is host time on every launch)."""
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.float8e4nv)
 
 

@@ -34,7 +34,7 @@ def tune_key() -> tuple:
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for host code (triton.cdiv is a constexpr function since Triton 3.5: microseconds per call)."""
+    """ceil(a / b) for host code (triton.cdiv is a constexpr function since Triton 3.5, slow to call from host code)."""
     return -(-a // b)
 
 

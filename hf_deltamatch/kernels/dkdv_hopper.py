@@ -149,7 +149,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     # S^T done; dP^T's MMA (and with PIPE the previous tile's dK MMA) runs under the exponentials
     s_acc = warpgroup_mma_wait((PART != 1) + (PIPE > 0), deps=(s_acc, ))
     # LSE2 and delta came with the tile (TMA) and are read where needed: per-thread loads of them, held
-    # across the MMA waits, cost 32 registers and spills (the kernel 1.18x slower on the H200)
+    # across the MMA waits, cost 32 registers and spilled
     lse2 = lse_smem.index(s).load(col_layout)
     # P^T * 256 (the static scale is in LSE2); the mask on P, not on S^T, so that the scale and LSE2 fuse
     # into one FFMA per score on every tile
@@ -165,7 +165,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
     if PART != 2:
         # RESCALE_DV False (configs.dkdv_hopper): c_dv / cv is 1 up to the division's rounding, yet dV then
         # differs from _bwd_dkdv_kernel's by up to 1.4e-3 (slightly closer to the reference); a runtime skip with three
-        # warpgroups made the kernel slower at D=64 (1.03-1.12x its time)
+        # warpgroups made the kernel slower at D=64
         cv = sdo_t * (1.0 / 256.0)
         if RESCALE_DV:
             dv = dv * (c_dv / cv)
@@ -196,7 +196,7 @@ def _tile(k_sub, v_sub, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem
             dk = warpgroup_mma(ds8, qt_smem.index(s).permute((1, 0)), dk, is_async=True)
             # nothing in flight across the loop's back edge: with dK's or dV's MMA left running into the next tile
             # ptxas serializes every wgmma of the kernel (sm_90, Triton 3.6); pairs of tiles with the first's MMAs
-            # in flight into the second spilled and were slower (2x the kernel's time)
+            # in flight into the second spilled
             if PART == 2:
                 dk = warpgroup_mma_wait(0, deps=(dk, ))
             else:
@@ -337,7 +337,7 @@ def _mma_partition(k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, lse_smem,
         first = gl.where(kb < key_end, first, n_q)
     # AHEAD (always with GQA; where else: configs.DKDV_HOPPER_AHEAD): the query tiles' scales loaded a tile ahead
     # (Nsight Compute: the warps waited on these L2 loads under the MMAs) and the tile's head and row counted up (no
-    # integer division per tile): GQA 0.95x the kernel's time.
+    # integer division per tile).
     g = 0
     i = 0
     SQ_G = SQ  # AHEAD: at the group's first tile

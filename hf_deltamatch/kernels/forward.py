@@ -11,9 +11,9 @@ Tiles every row cannot see are skipped (exact, per the contract). Softmax runs i
 fp8: S = (q8 @ k8^T) * sq * sk * softmax_scale; P8 = e4m3(P * 256); O += (P8 @ v8) * sv / 256. The
 accumulator carries a running scale (the last tile's sv / 256), so the MMA accumulates in place instead of
 into a second fp32 tile (which spilled). v8 is read from a (D, M) copy (tokens contiguous): the FP8 P @ V
-needs a K-major B operand (row-major V made Triton transpose through registers, 2.7x slower: ANCHORS.md).
+needs a K-major B operand (with a row-major V, Triton transposes it through registers).
 TMA=True (fp8, configs.use_tma): q8, k8, v8 come through tensor descriptors over 2-D views instead of
-masked pointer loads (6-11 % faster on the H200; no masks on loads, the score masks do that work).
+masked pointer loads (no masks on loads: the score masks do that work).
 ASM_SCALES (all three kernels): whether a loop reads its per-tile scales through inline PTX (_scale); configs.asm_scales
 chooses, per kernel and head dim.
 """

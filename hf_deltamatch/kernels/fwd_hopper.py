@@ -31,7 +31,7 @@ from ._gluon import (
 )
 
 # MMA warpgroups per program (64 queries each), so that an SM runs three softmax streams (S, O and P8 fit in 160
-# registers without spills, configs.FWD_HOPPER_REGS): 0.75x the time of two at D=64, 0.84x at D=128 causal
+# registers without spills, configs.FWD_HOPPER_REGS), faster than two (docs/kernels.md)
 WARPGROUPS = 3
 WGS = gl.constexpr(WARPGROUPS)
 # At Dv = 256 (configs.GLUON_WIDE_DIMS) O alone takes 128 registers per thread of a warpgroup: two MMA

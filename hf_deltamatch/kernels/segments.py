@@ -56,7 +56,7 @@ def padded_layout(cu_seqlens: torch.Tensor, first: int, last: int, npad: int) ->
 
 def pad(x: torch.Tensor, seg: Segments, fill: float = 0.0) -> torch.Tensor:
     """x packed -> padded: operands (B=1, H, N, D) -> (1, H, seg.npad, D) row-major, zeros in the rows of no token
-    (one copy kernel, quantize.pad_tokens: torch's index_copy took ~0.2 ms per 64 MB operand on the H200);
+    (one copy kernel, quantize.pad_tokens, rather than torch's slower index_copy);
     row arrays (B, H, N) -> (B, H, seg.npad) with `fill` there. Token-major padded copies: quantize.token_major
     with src=seg.src."""
     if x.dim() == 4:
