@@ -280,20 +280,29 @@ def test_varlen_baseline_registers_and_refuses_what_it_cannot_run(tp, varlen):
     assert "CUDA" in tp.skip_reason(varlen.NAME, "bf16", torch.device("cpu"))
 
 
+_PACKED_LENS = [700, 129, 1219]  # three documents, one of a length no tile size divides
+
+
+def _packed_row(Hq, Hkv, D):
+    """(q, k, v, do, position_ids, the generator) of one packed bf16 row of _PACKED_LENS documents on the GPU (skips
+    without CUDA); q and do (1, Hq, S, D), k and v (1, Hkv, S, D)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    S = sum(_PACKED_LENS)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda h: torch.randn(1, h, S, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    pos = torch.cat([torch.arange(n, device="cuda") for n in _PACKED_LENS])[None]
+    return mk(Hq), mk(Hkv), mk(Hkv), mk(Hq), pos, g
+
+
 @pytest.mark.gpu
 def test_varlen_baseline_equals_sdpa_per_document(varlen):
     """On a packed row of three documents (GQA 8/2, D=128, causal), from cu_seq_lens and from position_ids alike,
     bf16 inputs and fp32 ones under autocast: out and the q/k/v gradients equal SDPA run on each document alone, to
     bf16 rounding (both are FlashAttention-style bf16 kernels: 2e-2 relative)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    lens = [700, 129, 1219]
-    S, Hq, Hkv, D = sum(lens), 8, 2, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h: torch.randn(1, h, S, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-    q, k, v, do = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+    lens, Hq, Hkv, D = _PACKED_LENS, 8, 2, 128
+    q, k, v, do, pos, _ = _packed_row(Hq, Hkv, D)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    pos = torch.cat([torch.arange(n, device="cuda") for n in lens])[None]
     module = torch.nn.Module()
     module.is_causal = True
 
@@ -639,15 +648,10 @@ def test_varlen_sinks_equal_eager_sinks_on_the_gpu(varlen, window):
     """gpt-oss's attention shape (D=64, GQA 8:1, sinks; full and a 128-token window) through torch_varlen's
     FlashAttention-2 + exact sinks, a packed row of three documents: out and the q, k, v, sink gradients against
     float32 eager attention with a sink column (bf16 kernels: 2e-2 relative)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    lens = [700, 129, 1219]
-    S, Hq, Hkv, D = sum(lens), 16, 2, 64
-    g = torch.Generator(device="cuda").manual_seed(0)
-    mk = lambda h: torch.randn(1, h, S, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-    q, k, v, do = mk(Hq), mk(Hkv), mk(Hkv), mk(Hq)
+    lens, Hq, Hkv, D = _PACKED_LENS, 16, 2, 64
+    S = sum(lens)
+    q, k, v, do, pos, g = _packed_row(Hq, Hkv, D)
     sinks = torch.randn(Hq, device="cuda", generator=g) + 2.0
-    pos = torch.cat([torch.arange(n, device="cuda") for n in lens])[None]
     module = torch.nn.Module()
     module.is_causal = True
 
